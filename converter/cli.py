@@ -1,0 +1,46 @@
+"""`convert-llama`: the command-line face of `converter.convert`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from converter.convert import DTYPE_CHOICES, convert
+from converter.errors import ConversionError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="convert-llama",
+        description="Convert a HuggingFace Llama 3.x checkpoint (local directory or hub id) into the JAX "
+                    "checkpoint format, streaming tensor by tensor.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--src", required=True, help="checkpoint directory, or hub id such as meta-llama/Llama-3.1-8B")
+    parser.add_argument("--out", required=True, help="output directory (written atomically)")
+    parser.add_argument("--dtype", default="keep", choices=list(DTYPE_CHOICES),
+                        help="dtype of the stored weights; 'keep' stores each tensor as the source has it")
+    parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) for a hub id")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing converted checkpoint at --out")
+    parser.add_argument("--verify", action="store_true", help="re-read the output and check every checksum")
+    parser.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        summary = convert(args.src, args.out, dtype=args.dtype, revision=args.revision, overwrite=args.overwrite,
+                          verify=args.verify, progress=not args.no_progress)
+    except ConversionError as e:
+        print(f"convert-llama: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("convert-llama: interrupted; nothing was written to --out", file=sys.stderr)
+        return 130
+    print(f"{summary}{' (verified)' if args.verify else ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""`convert()`: stream a HuggingFace Llama checkpoint into this port's checkpoint format.
+
+Plan first (headers only: every tensor named, shaped and accounted for before a byte is written), then
+copy tensor by tensor into a temporary directory that is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from converter.errors import ConversionError
+from converter.hub import resolve_source
+from converter.names import IGNORED, hf_to_jax, is_stacked, jax_to_hf
+from converter.sources import SourceTensor, close_file, iter_chunks, list_tensors, open_file
+from jaxmodel.checkpoint import MANIFEST, CheckpointError, CheckpointWriter, param_specs, verify_checkpoint
+from jaxmodel.config import ConfigError, LlamaConfig
+from jaxmodel.safetensors_file import DTYPES
+
+DTYPE_CHOICES = {"keep": None, "bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"], "float16": DTYPES["F16"]}
+# Files copied beside the weights, so that the converted directory serves as the model's home.
+AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversionSummary:
+    out: Path
+    tensors: int
+    bytes: int
+    seconds: float
+
+    def __str__(self) -> str:
+        rate = self.bytes / max(self.seconds, 1e-9) / 1e9
+        return (f"converted {self.tensors} tensors, {self.bytes / 1e9:.2f} GB in {self.seconds:.1f} s "
+                f"({rate:.2f} GB/s) -> {self.out}")
+
+
+def convert(src: str | Path, out: str | Path, *, dtype: str = "keep", revision: str | None = None,
+            overwrite: bool = False, verify: bool = False, progress: bool = True) -> ConversionSummary:
+    """Convert the HF Llama checkpoint `src` (directory or hub id) into `out`.
+
+    `dtype`: one of bfloat16, float32, float16, or keep (each tensor as stored).
+    """
+    start = time.perf_counter()
+    if dtype not in DTYPE_CHOICES:
+        raise ConversionError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPE_CHOICES)}")
+    out = Path(out)
+    _check_destination(out, overwrite)
+    source_dir = resolve_source(str(src), revision)
+    try:
+        config = LlamaConfig.from_hf(source_dir)
+    except ConfigError as e:
+        raise ConversionError(str(e)) from None
+    kind, tensors = list_tensors(source_dir)
+    plan = _plan(config, tensors, source_dir, DTYPE_CHOICES[dtype])
+
+    tmp = out.parent / f".{out.name}.converting-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        total = _copy(plan, tensors, kind, tmp, progress)
+        for name in AUX_FILES:
+            if (source_dir / name).is_file():
+                shutil.copyfile(source_dir / name, tmp / name)
+        if verify:
+            verify_checkpoint(tmp)
+        _publish(tmp, out)
+    except CheckpointError as e:
+        raise ConversionError(str(e).replace(str(tmp), str(out))) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ConversionSummary(out, len(plan.sources), total, time.perf_counter() - start)
+
+
+@dataclasses.dataclass
+class _Plan:
+    specs: dict[str, tuple[tuple[int, ...], np.dtype, bool]]  # JAX path -> (shape, dtype, stacked)
+    sources: dict[str, tuple[str, int]]  # HF name -> (JAX path, slice index)
+
+
+def _plan(config: LlamaConfig, tensors: list[SourceTensor], source_dir: Path, dtype: np.dtype | None) -> _Plan:
+    expected = param_specs(config)
+    by_path: dict[str, dict[int, SourceTensor]] = {}
+    sources: dict[str, tuple[str, int]] = {}
+    for t in tensors:
+        mapped = hf_to_jax(t.name)
+        if mapped is None:
+            if IGNORED.fullmatch(t.name):
+                continue
+            raise ConversionError(f"{t.file}: unexpected tensor '{t.name}' (not part of a Llama checkpoint)")
+        path, layer = mapped
+        if path not in expected:
+            if path == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # a tied checkpoint that also stores the head: the embedding is the head
+            raise ConversionError(f"{t.file}: tensor '{t.name}' does not belong to the model config.json describes")
+        shape, _ = expected[path]
+        slice_shape = shape[1:] if layer is not None else shape
+        if layer is not None and layer >= shape[0]:
+            raise ConversionError(f"{t.file}: tensor '{t.name}' is beyond num_hidden_layers={shape[0]}")
+        if tuple(t.shape) != tuple(slice_shape):
+            raise ConversionError(
+                f"{t.file}: tensor '{t.name}' has shape {list(t.shape)}, config.json implies {list(slice_shape)}"
+            )
+        by_path.setdefault(path, {})[layer or 0] = t
+        sources[t.name] = (path, layer or 0)
+    specs = {}
+    for path, (shape, _) in expected.items():
+        stacked = is_stacked(path)
+        have = by_path.get(path, {})
+        for index in range(shape[0] if stacked else 1):
+            if index not in have:
+                name = jax_to_hf(path, index if stacked else None)
+                raise ConversionError(f"{source_dir}: missing tensor '{name}', which config.json implies")
+        first = have[0].dtype
+        specs[path] = (shape, dtype if dtype is not None else first, stacked)
+    return _Plan(specs, sources)
+
+
+def _copy(plan: _Plan, tensors: list[SourceTensor], kind: str, tmp: Path, progress: bool) -> int:
+    """Stream every planned tensor into its slice, file by file; returns bytes written."""
+    from tqdm import tqdm
+
+    writer = CheckpointWriter(tmp, plan.specs)
+    todo = [t for t in tensors if t.name in plan.sources]
+    total_bytes = sum(writer.slice_nbytes(plan.sources[t.name][0]) for t in todo)
+    written = 0
+    try:
+        with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
+            for file in dict.fromkeys(t.file for t in todo):
+                handle = open_file(file, kind)
+                try:
+                    for t in (t for t in todo if t.file == file):
+                        path, index = plan.sources[t.name]
+                        target = plan.specs[path][1]
+                        chunks = (c if c.dtype == target else c.astype(target) for c in iter_chunks(t, handle))
+                        n = writer.write_slice(path, index, (memoryview(c.view(np.uint8)) for c in chunks))
+                        written += n
+                        bar.update(n)
+                finally:
+                    close_file(handle)
+        writer.finish({"layout": "torch: Linear weights [out, in]; per-layer tensors stacked on axis 0"})
+    finally:
+        writer.close()
+    return written
+
+
+def _check_destination(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ConversionError(f"--out {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConversionError(f"--out {out}: exists and is not empty (pass --overwrite to replace it)")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise ConversionError(f"--out {out}: holds files that are not a converted checkpoint; refusing to replace it")
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished conversion into place; an old checkpoint there is replaced only now."""
+    if out.exists():
+        old = out.parent / f".{out.name}.replaced-{os.getpid()}"
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out)

@@ -1,0 +1,218 @@
+"""LlamaConfig: the model's shape and numerics, read once from a HuggingFace config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+class ConfigError(ValueError):
+    """A config.json that is not a Llama 3.x config we can run; the message names the file and field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; the llama3 fields are used only when `type == "llama3"`."""
+
+    type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_key_value_heads={self.num_key_value_heads} must divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    @classmethod
+    def from_hf(cls, source: str | Path | Mapping[str, Any]) -> "LlamaConfig":
+        """Read a HF Llama config: a dict, a config.json path, or a directory holding config.json.
+
+        Accepts both dialects: legacy `rope_theta` + `rope_scaling`, and transformers 5 `rope_parameters`.
+        """
+        if isinstance(source, Mapping):
+            return _parse(dict(source), where="config")
+        path = Path(source)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: not found (expected a HuggingFace Llama config.json)") from None
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+        return _parse(raw, where=str(path))
+
+    def to_hf(self) -> dict[str, Any]:
+        """The config as a transformers 5 `config.json` dict (for tiny test models and merged exports)."""
+        rope: dict[str, Any] = {"rope_type": self.rope.type, "rope_theta": self.rope.theta}
+        if self.rope.type == "llama3":
+            rope.update(
+                factor=self.rope.factor,
+                low_freq_factor=self.rope.low_freq_factor,
+                high_freq_factor=self.rope.high_freq_factor,
+                original_max_position_embeddings=self.rope.original_max_position_embeddings,
+            )
+        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+            "pad_token_id": self.pad_token_id,
+        }
+
+
+def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
+    def field(name: str, kind: type | tuple[type, ...], default: Any = dataclasses.MISSING) -> Any:
+        if name not in raw or raw[name] is None:
+            if default is dataclasses.MISSING:
+                raise ConfigError(f"{where}: field '{name}' is missing")
+            return default
+        value = raw[name]
+        ok = isinstance(value, kind) and not (isinstance(value, bool) and bool not in _as_tuple(kind))
+        if not ok:
+            names = " or ".join(k.__name__ for k in _as_tuple(kind))
+            raise ConfigError(f"{where}: field '{name}' must be {names}, got {value!r}")
+        return value
+
+    def positive(name: str, default: Any = dataclasses.MISSING) -> int:
+        value = field(name, int, default)
+        if value <= 0:
+            raise ConfigError(f"{where}: field '{name}' must be a positive integer, got {value!r}")
+        return value
+
+    model_type = raw.get("model_type")
+    if model_type != "llama":
+        raise ConfigError(f"{where}: field 'model_type' is {model_type!r}; only 'llama' is supported")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{where}: field 'hidden_act' is {act!r}; Llama uses 'silu'")
+
+    hidden = positive("hidden_size")
+    heads = positive("num_attention_heads")
+    kv_heads = positive("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ConfigError(
+            f"{where}: field 'num_key_value_heads' ({kv_heads}) must divide num_attention_heads ({heads})"
+        )
+    if hidden % heads and raw.get("head_dim") is None:
+        raise ConfigError(f"{where}: field 'head_dim' is missing and hidden_size is not a multiple of heads")
+    head_dim = positive("head_dim", hidden // heads)
+    eos = field("eos_token_id", (int, list), None)
+    return LlamaConfig(
+        vocab_size=positive("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=positive("intermediate_size"),
+        num_hidden_layers=positive("num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=positive("max_position_embeddings", 2048),
+        rms_norm_eps=float(field("rms_norm_eps", (int, float), 1e-6)),
+        rope=_parse_rope(raw, where),
+        tie_word_embeddings=field("tie_word_embeddings", bool, False),
+        attention_bias=field("attention_bias", bool, False),
+        mlp_bias=field("mlp_bias", bool, False),
+        bos_token_id=field("bos_token_id", int, None),
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        pad_token_id=field("pad_token_id", int, None),
+    )
+
+
+def _parse_rope(raw: dict[str, Any], where: str) -> RopeConfig:
+    """Both dialects: `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (legacy)."""
+    if isinstance(raw.get("rope_parameters"), dict):
+        params, field_name = dict(raw["rope_parameters"]), "rope_parameters"
+        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    else:
+        field_name = "rope_scaling"
+        params = dict(raw.get("rope_scaling") or {})
+        params["rope_theta"] = raw.get("rope_theta", 10000.0)
+    if not isinstance(params.get("rope_theta"), (int, float)) or params["rope_theta"] <= 0:
+        raise ConfigError(f"{where}: field 'rope_theta' must be a positive number, got {params['rope_theta']!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"{where}: field '{field_name}.rope_type' is {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    theta = float(params["rope_theta"])
+    if rope_type == "default":
+        return RopeConfig(type="default", theta=theta)
+    values = {}
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        value = params.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{where}: field '{field_name}.{key}' must be a positive number, got {value!r}")
+        values[key] = value
+    if values["high_freq_factor"] <= values["low_freq_factor"]:
+        raise ConfigError(f"{where}: field '{field_name}.high_freq_factor' must exceed low_freq_factor")
+    return RopeConfig(
+        type="llama3",
+        theta=theta,
+        factor=float(values["factor"]),
+        low_freq_factor=float(values["low_freq_factor"]),
+        high_freq_factor=float(values["high_freq_factor"]),
+        original_max_position_embeddings=int(values["original_max_position_embeddings"]),
+    )
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)

@@ -1,0 +1,83 @@
+"""Leaf modules: Linear, Embed, RMSNorm, with torch's parameter layout.
+
+Weights keep HF's `[out, in]` layout so that converting a checkpoint is a byte copy and exporting one is
+a rename (docs/design.md, "Layout"); the matmul contracts the last axis of both operands and XLA picks the
+physical layout. Every parameter carries `axes`, its logical axis names, for the sharding rules.
+A module built with `layers=L` holds parameters with a leading `[L]` axis ("layers"); the stack is run
+with `jax.lax.scan` over that axis, where each step sees a module holding one layer's slice.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+INIT_STD = 0.02  # transformers' initializer_range for Llama
+
+
+def _stacked(layers: int | None, shape: tuple[int, ...], axes: tuple[str | None, ...]):
+    if layers is None:
+        return shape, axes
+    return (layers, *shape), ("layers", *axes)
+
+
+class Linear(nnx.Module):
+    """`y = x @ weight.T + bias` with `weight: [out, in]` as torch stores it."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        axes: tuple[str, str],
+        use_bias: bool = False,
+        layers: int | None = None,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        shape, names = _stacked(layers, (out_features, in_features), axes)
+        self.weight = nnx.Param(INIT_STD * jax.random.normal(rngs.params(), shape, param_dtype), axes=names)
+        if use_bias:
+            bshape, bnames = _stacked(layers, (out_features,), axes[:1])
+            self.bias = nnx.Param(jnp.zeros(bshape, param_dtype), axes=bnames)
+        else:
+            self.bias = None
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w_oi = self.weight[...].astype(self.dtype)
+        y = jax.lax.dot_general(x.astype(self.dtype), w_oi, (((x.ndim - 1,), (1,)), ((), ())))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Embed(nnx.Module):
+    """Token embedding table `weight: [vocab, hidden]` (also the LM head when embeddings are tied)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.weight = nnx.Param(
+            INIT_STD * jax.random.normal(rngs.params(), (vocab_size, hidden_size), param_dtype),
+            axes=("vocab", "embed"),
+        )
+        self.dtype = dtype
+
+    def __call__(self, ids_bt: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], ids_bt, axis=0).astype(self.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """transformers' LlamaRMSNorm: normalise in float32, cast back to the input dtype, then scale."""
+
+    def __init__(self, size: int, *, eps: float, layers: int | None = None, param_dtype=jnp.float32):
+        shape, names = _stacked(layers, (size,), ("norm",))
+        self.weight = nnx.Param(jnp.ones(shape, param_dtype), axes=names)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * h.astype(x.dtype)

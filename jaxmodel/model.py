@@ -1,0 +1,164 @@
+"""The Llama 3.x causal LM as Flax NNX modules, numerically transformers' LlamaForCausalLM.
+
+Shapes: b batch, t query positions, s key positions, d hidden, n query heads, k kv heads,
+r = n // k query heads per kv head, h head_dim, f intermediate, v vocab, l layers.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmodel.config import LlamaConfig
+from jaxmodel.layers import Embed, Linear, RMSNorm
+from jaxmodel.rope import apply_rope, cos_sin, inv_freq
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer, `[l, b, s, k, h]`, filled up to the decode position."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, layers: int | None, dtype, param_dtype, rngs: nnx.Rngs):
+        c = config
+        kw = dict(use_bias=c.attention_bias, layers=layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = Linear(c.hidden_size, c.num_attention_heads * c.head_dim, axes=("heads", "embed"), **kw)
+        self.k_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, axes=("kv_heads", "embed"), **kw)
+        self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, axes=("kv_heads", "embed"), **kw)
+        self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, axes=("embed", "heads"), **kw)
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.dtype = dtype
+
+    def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv: tuple | None, cache_index):
+        b, t, _ = x_btd.shape
+        n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
+        q_btnh = apply_rope(self.q_proj(x_btd).reshape(b, t, n, h), cos_bth, sin_bth)
+        k_btkh = apply_rope(self.k_proj(x_btd).reshape(b, t, k, h), cos_bth, sin_bth)
+        v_btkh = self.v_proj(x_btd).reshape(b, t, k, h)
+        if kv is not None:  # write this step's keys/values into the cache and attend over all of it
+            k_btkh = jax.lax.dynamic_update_slice(kv[0], k_btkh.astype(kv[0].dtype), (0, cache_index, 0, 0))
+            v_btkh = jax.lax.dynamic_update_slice(kv[1], v_btkh.astype(kv[1].dtype), (0, cache_index, 0, 0))
+            kv = (k_btkh, v_btkh)
+        # Query head j uses kv head j // r, as transformers' repeat_kv does.
+        q_btkrh = q_btnh.reshape(b, t, k, n // k, h)
+        scores_bkrts = jnp.einsum("btkrh,bskh->bkrts", q_btkrh, k_btkh.astype(self.dtype),
+                                  preferred_element_type=jnp.float32) * (h ** -0.5)
+        scores_bkrts = jnp.where(mask_bts[:, None, None], scores_bkrts, jnp.finfo(jnp.float32).min)
+        probs_bkrts = jax.nn.softmax(scores_bkrts, axis=-1).astype(self.dtype)
+        out_btkrh = jnp.einsum("bkrts,bskh->btkrh", probs_bkrts, v_btkh.astype(self.dtype))
+        return self.o_proj(out_btkrh.reshape(b, t, n * h)), kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+
+    def __init__(self, config: LlamaConfig, *, layers: int | None, dtype, param_dtype, rngs: nnx.Rngs):
+        c = config
+        kw = dict(use_bias=c.mlp_bias, layers=layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, axes=("mlp", "embed"), **kw)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, axes=("mlp", "embed"), **kw)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, axes=("embed", "mlp"), **kw)
+
+    def __call__(self, x_btd):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x_btd)) * self.up_proj(x_btd))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, layers: int | None = None, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(layers=layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, layers=layers, param_dtype=param_dtype)
+        self.self_attn = Attention(config, **kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, layers=layers, param_dtype=param_dtype)
+        self.mlp = MLP(config, **kw)
+
+    def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv, cache_index):
+        attn_btd, kv = self.self_attn(self.input_layernorm(x_btd), cos_bth, sin_bth, mask_bts, kv, cache_index)
+        h_btd = x_btd + attn_btd
+        return h_btd + self.mlp(self.post_attention_layernorm(h_btd)), kv
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Llama 3.x causal LM. Decoder layers are one stacked module run with `jax.lax.scan`, so compile
+    time does not grow with depth; `remat` names the rematerialisation policy of the scanned body."""
+
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
+                 rngs: nnx.Rngs):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
+        self.config = config
+        self.dtype = dtype
+        self.remat = remat
+        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
+                                  rngs=rngs)
+        self.layers = DecoderLayer(config, layers=config.num_hidden_layers, dtype=dtype, param_dtype=param_dtype,
+                                   rngs=rngs)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, axes=("vocab", "embed"), dtype=dtype,
+                                  param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, input_ids, *, attention_mask=None, positions=None) -> jax.Array:
+        """float32 logits `[b, t, v]` for int ids `[b, t]`; `attention_mask` `[b, t]` marks real tokens."""
+        b, t = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        causal_ts = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+        mask_bts = jnp.broadcast_to(causal_ts, (b, t, t))
+        if attention_mask is not None:
+            mask_bts = mask_bts & attention_mask.astype(bool)[:, None, :]
+        logits, _ = self._forward(input_ids, positions, mask_bts, None, 0)
+        return logits
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        c = self.config
+        shape = (c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim)
+        return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+
+    def decode(self, input_ids, positions, key_valid, cache: KVCache, cache_index):
+        """Run `t` new tokens written at cache slots `[cache_index, cache_index + t)`.
+
+        `key_valid` `[b, s]` marks cache slots holding real tokens (False for left padding).
+        Returns float32 logits `[b, t, v]` and the updated cache.
+        """
+        t, s = input_ids.shape[1], cache.k.shape[2]
+        query_slot_t = cache_index + jnp.arange(t)
+        causal_ts = jnp.arange(s)[None, :] <= query_slot_t[:, None]
+        mask_bts = causal_ts[None] & key_valid.astype(bool)[:, None, :]
+        return self._forward(input_ids, positions, mask_bts, cache, cache_index)
+
+    def _forward(self, input_ids, positions, mask_bts, cache: KVCache | None, cache_index):
+        c = self.config
+        cos_bth, sin_bth = cos_sin(positions, inv_freq(c.rope, c.head_dim), self.dtype)
+        h_btd = self.embed_tokens(input_ids)
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def layer_step(h_btd, xs):
+            state, kv = xs
+            return nnx.merge(graphdef, state)(h_btd, cos_bth, sin_bth, mask_bts, kv, cache_index)
+
+        policy = REMAT_POLICIES[self.remat]
+        if self.remat != "none":
+            layer_step = jax.checkpoint(layer_step, policy=policy, prevent_cse=False)
+        kv_xs = None if cache is None else (cache.k, cache.v)
+        h_btd, kv_ys = jax.lax.scan(layer_step, h_btd, (layer_state, kv_xs))
+        h_btd = self.norm(h_btd)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        w_vd = head.weight[...].astype(self.dtype)
+        logits_btv = jnp.einsum("btd,vd->btv", h_btd, w_vd, preferred_element_type=jnp.float32)
+        return logits_btv, (None if cache is None else KVCache(*kv_ys))

@@ -1,0 +1,53 @@
+"""Rotary position embeddings in the rotate-half layout HF Llama checkpoints use."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmodel.config import RopeConfig
+
+
+def inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """float32 inverse frequencies `[head_dim // 2]`, as transformers computes them.
+
+    Every step is the float32 op transformers' `_compute_llama3_parameters` performs, in its order. The
+    one op numpy cannot reproduce is torch's float32 `pow`: it is taken in float64 and rounded, which
+    equals torch for the real Llama configs (theta 1e4 or 5e5, head_dim 64/128) and is within 1 ulp of
+    it elsewhere (tests/test_rope.py).
+    """
+    f32 = np.float32
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(f32) / f32(head_dim)
+    base_pow = np.power(np.float64(f32(rope.theta)), exponent.astype(np.float64)).astype(f32)
+    inv = f32(1.0) / base_pow
+    if rope.type == "default":
+        return inv
+    # Python-number arithmetic happens in float64 as in transformers; `scalar / tensor` is torch's
+    # `tensor.reciprocal() * scalar`.
+    factor = f32(rope.factor)
+    low, high = rope.low_freq_factor, rope.high_freq_factor
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = f32(old_len / low)
+    high_freq_wavelen = f32(old_len / high)
+    wavelen = (f32(1) / inv) * f32(2 * math.pi)
+    inv_llama = np.where(wavelen > low_freq_wavelen, inv / factor, inv)
+    smooth = ((f32(1) / wavelen) * f32(old_len) - f32(low)) / f32(high - low)
+    smoothed = (f32(1) - smooth) * inv_llama / factor + smooth * inv_llama
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, inv_llama).astype(f32)
+
+
+def cos_sin(positions_bt: jnp.ndarray, inv_freq_f: np.ndarray, dtype) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """cos/sin `[batch, seq, head_dim]` for integer positions, computed in float32, cast to `dtype`."""
+    freqs_btf = positions_bt.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_f)
+    emb_btd = jnp.concatenate([freqs_btf, freqs_btf], axis=-1)
+    return jnp.cos(emb_btd).astype(dtype), jnp.sin(emb_btd).astype(dtype)
+
+
+def apply_rope(x_btnd: jnp.ndarray, cos_btd: jnp.ndarray, sin_btd: jnp.ndarray) -> jnp.ndarray:
+    """`x * cos + rotate_half(x) * sin` with cos/sin broadcast over the heads axis."""
+    half = x_btnd.shape[-1] // 2
+    rotated = jnp.concatenate([-x_btnd[..., half:], x_btnd[..., :half]], axis=-1)
+    return x_btnd * cos_btd[:, :, None, :] + rotated * sin_btd[:, :, None, :]

@@ -1,0 +1,49 @@
+"""Logical axis names -> mesh axes: the one table that decides how parameters are laid over devices."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+# Weights are split over `fsdp` along the hidden ("embed") dimension and over `mp` along heads / MLP /
+# vocab, so that every matrix is split both ways on a full (fsdp, mp) mesh. The layer axis stays whole:
+# the scan walks it.
+DEFAULT_RULES: Rules = (
+    ("layers", None),
+    ("embed", "fsdp"),
+    ("vocab", "mp"),
+    ("heads", "mp"),
+    ("kv_heads", "mp"),
+    ("mlp", "mp"),
+    ("norm", None),
+)
+
+
+def partition_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                   rules: Rules = DEFAULT_RULES) -> PartitionSpec:
+    """The PartitionSpec for a parameter with logical `axes`; a dimension that its mesh axes do not
+    divide evenly (possible only in tiny test models) stays unsplit."""
+    table = dict(rules)
+    spec = []
+    used: set[str] = set()
+    for name, size in zip(axes, shape):
+        mesh_axes = table.get(name) if name is not None else None
+        if isinstance(mesh_axes, str):
+            mesh_axes = (mesh_axes,)
+        mesh_axes = tuple(a for a in (mesh_axes or ()) if a in mesh.shape and a not in used)
+        ways = 1
+        for a in mesh_axes:
+            ways *= mesh.shape[a]
+        if not mesh_axes or ways == 1 or size % ways:
+            spec.append(None)
+            continue
+        used.update(mesh_axes)
+        spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return PartitionSpec(*spec)
+
+
+def named_sharding(axes, shape, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+    return NamedSharding(mesh, partition_spec(axes, shape, mesh, rules))

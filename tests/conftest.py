@@ -1,0 +1,34 @@
+"""Test setup: 8 simulated CPU devices, an offline hub, shared fixtures."""
+
+import os
+
+# Before jax is imported anywhere: a simulated 8-device node, and no network for the hub.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "default", deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A small HF Llama directory (sharded safetensors, tokenizer) built once per session."""
+    from converter.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny", max_shard_size=200_000)
+
+
+@pytest.fixture(scope="session")
+def tiny_converted(tiny_checkpoint, tmp_path_factory):
+    """`tiny_checkpoint` converted once per session (read-only for tests)."""
+    from converter import convert
+
+    out = tmp_path_factory.mktemp("jax") / "tiny"
+    convert(tiny_checkpoint, out, progress=False)
+    return out

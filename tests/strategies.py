@@ -1,0 +1,47 @@
+"""Hypothesis strategies for Llama configs and inputs, shared by the test modules."""
+
+from hypothesis import strategies as st
+
+
+@st.composite
+def llama_configs(draw, max_layers: int = 3) -> dict:
+    """A transformers config dict over the space the port must match: GQA ratios, head_dim override,
+    biases, tying, and llama3 RoPE scaling whose original context is short enough to bite."""
+    kv_heads = draw(st.sampled_from([1, 2, 4]))
+    heads = kv_heads * draw(st.sampled_from([1, 2, 3]))
+    head_dim = draw(st.sampled_from([4, 8, 16, 32]))
+    override = draw(st.booleans())
+    # transformers requires hidden % heads == 0 even when head_dim is given explicitly.
+    hidden = heads * draw(st.sampled_from([4, 8, 12, 16, 24])) if override else heads * head_dim
+    if draw(st.booleans()):
+        rope = {"rope_type": "llama3", "rope_theta": draw(st.sampled_from([10000.0, 500000.0])),
+                "factor": draw(st.floats(1.0, 32.0)), "low_freq_factor": (low := draw(st.floats(0.5, 2.0))),
+                "high_freq_factor": low + draw(st.floats(0.5, 6.0)),
+                "original_max_position_embeddings": draw(st.sampled_from([8, 32, 128, 512]))}
+    else:
+        rope = {"rope_type": "default", "rope_theta": draw(st.sampled_from([10000.0, 500000.0]))}
+    config = {
+        "model_type": "llama",
+        "vocab_size": draw(st.integers(16, 300)),
+        "hidden_size": hidden,
+        "intermediate_size": draw(st.integers(8, 160)),
+        "num_hidden_layers": draw(st.integers(1, max_layers)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": draw(st.sampled_from([1e-5, 1e-6])),
+        "rope_parameters": rope,
+        "tie_word_embeddings": draw(st.booleans()),
+        "attention_bias": draw(st.booleans()),
+        "mlp_bias": draw(st.booleans()),
+        # Larger than transformers' 0.02 so attention and RoPE move the logits well above the tolerance.
+        "initializer_range": draw(st.sampled_from([0.05, 0.1, 0.2])),
+    }
+    if override:
+        config["head_dim"] = head_dim
+    return config
+
+
+def batches(max_seq: int = 520):
+    """(batch, seq) pairs; long sequences are drawn often enough that RoPE scaling is exercised."""
+    return st.tuples(st.integers(1, 3), st.one_of(st.integers(1, 24), st.integers(max_seq * 3 // 4, max_seq)))

@@ -1,0 +1,125 @@
+"""The JAX port against transformers' LlamaForCausalLM: save_pretrained -> convert -> load -> logits."""
+
+import dataclasses
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import batches, llama_configs
+from transformers import LlamaConfig as HFLlamaConfig
+from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+
+from converter import convert
+from jaxmodel.checkpoint import load_pretrained
+from jaxmodel.rope import RopeConfig
+
+# float32: 1e-4 absolute for logits up to 1 in size, relative beyond. Rounding error grows with the
+# activations: on a drawn config with logits up to 6.9 (init std 0.2, head_dim 4, 390 tokens) both sides
+# were 1e-4 from a float64 run of transformers (HF 1.04e-4, JAX 0.87e-4) and 1.9e-4 from each other.
+F32_TOL = 1e-4
+
+
+def f32_tolerance(expected: np.ndarray) -> float:
+    return F32_TOL * max(1.0, float(np.abs(expected).max()))
+
+# bf16 keeps 8 bits of mantissa: each of the two sides rounds its activations at different points, so
+# logits differ by a few bf16 ulps of the largest logit. Bound: 3% of the logit range.
+BF16_REL_TOL = 3e-2
+
+
+def hf_and_jax(config: dict, dtype: str = "float32", seed: int = 0):
+    """Build the HF model with a seed, save_pretrained it, convert, load it in JAX."""
+    torch.manual_seed(seed)
+    hf = HFLlamaForCausalLM(HFLlamaConfig(**config)).to(getattr(torch, dtype)).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(Path(tmp) / "hf")
+        convert(Path(tmp) / "hf", Path(tmp) / "jax", progress=False)
+        model = load_pretrained(Path(tmp) / "jax")
+    return hf, model
+
+
+def hf_logits(hf, ids, attention_mask=None) -> np.ndarray:
+    with torch.no_grad():
+        mask = None if attention_mask is None else torch.tensor(attention_mask)
+        return hf(torch.tensor(ids), attention_mask=mask).logits.float().numpy()
+
+
+@jax.jit
+def jax_logits(model, ids, attention_mask=None):
+    return model(ids, attention_mask=attention_mask)
+
+
+@settings(max_examples=25)
+@given(config=llama_configs(), shape=batches(), seed=st.integers(0, 2**16))
+def test_float32_logits_match_transformers(config, shape, seed):
+    hf, model = hf_and_jax(config, seed=seed)
+    ids = np.random.default_rng(seed).integers(0, config["vocab_size"], shape)
+    expected = hf_logits(hf, ids)
+    got = np.asarray(jax_logits(model, jnp.asarray(ids, jnp.int32)))
+    assert got.dtype == np.float32 and got.shape == (*shape, config["vocab_size"])
+    assert np.abs(got - expected).max() <= f32_tolerance(expected)
+
+
+@settings(max_examples=6)
+@given(config=llama_configs(max_layers=2), shape=batches(max_seq=160), seed=st.integers(0, 2**16))
+def test_bfloat16_logits_match_transformers_within_documented_bound(config, shape, seed):
+    hf, model = hf_and_jax(config, dtype="bfloat16", seed=seed)
+    assert model.embed_tokens.weight[...].dtype == jnp.bfloat16
+    ids = np.random.default_rng(seed).integers(0, config["vocab_size"], shape)
+    expected = hf_logits(hf, ids)
+    got = np.asarray(jax_logits(model, jnp.asarray(ids, jnp.int32)))
+    assert got.dtype == np.float32
+    scale = max(np.abs(expected).max(), 1.0)
+    assert np.abs(got - expected).max() <= BF16_REL_TOL * scale
+
+
+@settings(max_examples=6)
+@given(config=llama_configs(max_layers=2), seed=st.integers(0, 2**16), data=st.data())
+def test_padding_mask_matches_transformers(config, seed, data):
+    hf, model = hf_and_jax(config, seed=seed)
+    batch, seq = data.draw(st.integers(2, 3)), data.draw(st.integers(2, 40))
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, config["vocab_size"], (batch, seq))
+    lengths = [seq] + [int(n) for n in rng.integers(1, seq + 1, batch - 1)]
+    mask = np.array([[0] * (seq - n) + [1] * n for n in lengths])  # left padding
+    expected = hf_logits(hf, ids, mask)
+    got = np.asarray(jax_logits(model, jnp.asarray(ids, jnp.int32), jnp.asarray(mask)))
+    real = mask.astype(bool)  # padded query positions are garbage on both sides
+    assert np.abs(got[real] - expected[real]).max() <= f32_tolerance(expected[real])
+
+
+def test_wrong_rope_scaling_is_caught_by_the_tolerance():
+    """The parity tolerance is meaningful: dropping Llama 3.1's RoPE scaling (the reference run's bug)
+    moves the logits far beyond it."""
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "initializer_range": 0.05, "max_position_embeddings": 1024,
+              "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 32}}
+    hf, model = hf_and_jax(config)
+    ids = np.random.default_rng(0).integers(0, 64, (1, 300))
+    expected = hf_logits(hf, ids)
+    assert np.abs(np.asarray(jax_logits(model, jnp.asarray(ids))) - expected).max() <= F32_TOL
+    model.config = dataclasses.replace(model.config, rope=RopeConfig(type="default", theta=500000.0))
+    assert np.abs(np.asarray(jax_logits(model, jnp.asarray(ids))) - expected).max() > 100 * F32_TOL
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (2, 2, 2)])
+def test_sharded_load_gives_the_same_logits(tiny_converted, mesh_shape):
+    mesh = jax.make_mesh(mesh_shape, ("dp", "fsdp", "mp"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    plain = load_pretrained(tiny_converted)
+    sharded = load_pretrained(tiny_converted, mesh=mesh)
+    q = sharded.layers.self_attn.q_proj.weight[...]
+    assert q.sharding.mesh.shape == dict(zip(("dp", "fsdp", "mp"), mesh_shape))
+    assert {s.data.shape for s in q.addressable_shards} == {(q.shape[0], q.shape[1] // mesh_shape[2],
+                                                             q.shape[2] // mesh_shape[1])}
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 512, (2, 33)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(jax_logits(sharded, ids)), np.asarray(jax_logits(plain, ids)),
+                               atol=1e-5)
