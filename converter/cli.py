@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConversionError as e:
         print(f"convert-llama: error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # the disk or filesystem refused: still one line, and nothing left at --out
+        print(f"convert-llama: error: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("convert-llama: interrupted; nothing was written to --out", file=sys.stderr)
         return 130

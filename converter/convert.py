@@ -36,9 +36,17 @@ class ConversionSummary:
     seconds: float
 
     def __str__(self) -> str:
-        rate = self.bytes / max(self.seconds, 1e-9) / 1e9
-        return (f"converted {self.tensors} tensors, {self.bytes / 1e9:.2f} GB in {self.seconds:.1f} s "
-                f"({rate:.2f} GB/s) -> {self.out}")
+        rate = self.bytes / max(self.seconds, 1e-9)
+        return (f"converted {self.tensors} tensors, {_human(self.bytes)}B in {self.seconds:.2f} s "
+                f"({_human(rate)}B/s) -> {self.out}")
+
+
+def _human(n: float) -> str:
+    for unit in ("", "k", "M", "G"):
+        if n < 1000:
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n:.3g} T"
 
 
 def convert(src: str | Path, out: str | Path, *, dtype: str = "keep", revision: str | None = None,

@@ -1,0 +1,136 @@
+"""Bad input to convert-llama: a non-zero exit, one line naming the file/field and what was expected,
+no traceback, and nothing left at --out (or beside it) that looks finished."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from converter.cli import main
+
+
+@pytest.fixture
+def src(tmp_path, tiny_checkpoint) -> Path:
+    """A private copy of the sharded tiny checkpoint, free to break."""
+    return Path(shutil.copytree(tiny_checkpoint, tmp_path / "src"))
+
+
+def run(capsys, *args) -> tuple[int, str]:
+    code = main([*args, "--no-progress"])
+    err = capsys.readouterr().err
+    return code, err
+
+
+def assert_clean_failure(code: int, err: str, tmp_path: Path, *needles: str) -> None:
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("convert-llama: error: "), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name not in ("src", "existing")]
+    assert leftovers == [], f"left behind: {leftovers}"
+
+
+def test_truncated_safetensors(capsys, tmp_path, src):
+    shard = sorted(src.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    code, err = run(capsys, "--src", str(src), "--out", str(tmp_path / "out"))
+    assert_clean_failure(code, err, tmp_path, shard.name, "truncated")
+
+
+def test_shard_listed_in_index_but_missing(capsys, tmp_path, src):
+    shard = sorted(src.glob("model-*.safetensors"))[2]
+    shard.unlink()
+    code, err = run(capsys, "--src", str(src), "--out", str(tmp_path / "out"))
+    assert_clean_failure(code, err, tmp_path, "model.safetensors.index.json", shard.name, "missing")
+
+
+def test_tensor_shape_disagreeing_with_config(capsys, tmp_path, src):
+    config = json.loads((src / "config.json").read_text())
+    config["intermediate_size"] += 8
+    (src / "config.json").write_text(json.dumps(config))
+    code, err = run(capsys, "--src", str(src), "--out", str(tmp_path / "out"))
+    assert_clean_failure(code, err, tmp_path, "mlp.", "has shape", "config.json implies")
+
+
+def test_missing_tensor(capsys, tmp_path, src):
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] += 1
+    (src / "config.json").write_text(json.dumps(config))
+    code, err = run(capsys, "--src", str(src), "--out", str(tmp_path / "out"))
+    assert_clean_failure(code, err, tmp_path, "missing tensor 'model.layers.2.", "config.json implies")
+
+
+def test_unsupported_model_type(capsys, tmp_path, src):
+    config = json.loads((src / "config.json").read_text())
+    config["model_type"] = "mistral"
+    (src / "config.json").write_text(json.dumps(config))
+    code, err = run(capsys, "--src", str(src), "--out", str(tmp_path / "out"))
+    assert_clean_failure(code, err, tmp_path, "config.json", "'model_type'", "'mistral'", "only 'llama'")
+
+
+def test_malformed_config(capsys, tmp_path, src):
+    (src / "config.json").write_text('{"model_type": "llama", "hidden_size": 64,')
+    code, err = run(capsys, "--src", str(src), "--out", str(tmp_path / "out"))
+    assert_clean_failure(code, err, tmp_path, "config.json", "not valid JSON")
+
+
+def test_config_field_of_wrong_type(capsys, tmp_path, src):
+    config = json.loads((src / "config.json").read_text())
+    config["num_attention_heads"] = "four"
+    (src / "config.json").write_text(json.dumps(config))
+    code, err = run(capsys, "--src", str(src), "--out", str(tmp_path / "out"))
+    assert_clean_failure(code, err, tmp_path, "config.json", "'num_attention_heads'", "must be int")
+
+
+def test_unsupported_rope_type(capsys, tmp_path, src):
+    config = json.loads((src / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    (src / "config.json").write_text(json.dumps(config))
+    code, err = run(capsys, "--src", str(src), "--out", str(tmp_path / "out"))
+    assert_clean_failure(code, err, tmp_path, "rope_parameters.rope_type", "'yarn'", "default, llama3")
+
+
+def test_existing_nonempty_out_without_overwrite(capsys, tmp_path, src):
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("keep me")
+    code, err = run(capsys, "--src", str(src), "--out", str(existing))
+    assert_clean_failure(code, err, tmp_path, str(existing), "not empty", "--overwrite")
+    assert [p.name for p in existing.iterdir()] == ["notes.txt"]
+
+
+def test_no_checkpoint_in_directory(capsys, tmp_path, src):
+    for f in src.glob("model*"):
+        f.unlink()
+    code, err = run(capsys, "--src", str(src), "--out", str(tmp_path / "out"))
+    assert_clean_failure(code, err, tmp_path, str(src), "no checkpoint found")
+
+
+def test_failure_after_planning_leaves_no_output(capsys, tmp_path, src, monkeypatch):
+    """A failure mid-copy (here: the disk refusing a write) removes the half-written directory."""
+    import os
+
+    def failing_pwrite(fd, data, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", failing_pwrite)
+    code, err = run(capsys, "--src", str(src), "--out", str(tmp_path / "out"))
+    assert_clean_failure(code, err, tmp_path, "No space left on device")
+
+
+def test_the_installed_command_exits_nonzero_with_one_line(tmp_path, src):
+    config = json.loads((src / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    (src / "config.json").write_text(json.dumps(config))
+    result = subprocess.run([sys.executable, "-m", "converter.cli", "--src", str(src), "--out",
+                             str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"convert-llama: error: {src / 'config.json'}: field 'model_type' is 'gpt2'; only 'llama' is supported"
+    ]
+    assert not (tmp_path / "out").exists()

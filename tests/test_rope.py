@@ -1,0 +1,51 @@
+"""RoPE frequencies against transformers' own computation."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from strategies import llama_configs
+from transformers import LlamaConfig as HFLlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from jaxmodel.config import LlamaConfig
+from jaxmodel.rope import inv_freq
+
+REAL = {  # (head_dim, rope) of the Llama 3.x family, reference.md
+    "3.1-8B/70B/405B": (128, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "3.2-1B": (64, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "3.2-3B": (128, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "3-8B": (128, {"rope_type": "default", "rope_theta": 500000.0}),
+}
+
+
+def both(head_dim: int, rope: dict):
+    raw = {"model_type": "llama", "vocab_size": 8, "hidden_size": head_dim * 2, "intermediate_size": 8,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": head_dim, "rope_parameters": rope,
+           "max_position_embeddings": 131072}
+    theirs = LlamaRotaryEmbedding(HFLlamaConfig(**raw)).inv_freq.numpy()
+    return inv_freq(LlamaConfig.from_hf(raw).rope, head_dim), theirs
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_real_configs_match_bit_for_bit(name):
+    ours, theirs = both(*REAL[name])
+    assert ours.dtype == np.float32
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_llama3_scaling_changes_the_low_frequencies():
+    scaled, _ = both(*REAL["3.1-8B/70B/405B"])
+    plain, _ = both(128, {"rope_type": "default", "rope_theta": 500000.0})
+    assert np.array_equal(scaled[:10], plain[:10]) and not np.array_equal(scaled[-10:], plain[-10:])
+
+
+@given(llama_configs())
+def test_drawn_configs_within_one_ulp(raw):
+    """torch's float32 pow is not correctly rounded, so a drawn theta/head_dim may differ in the last bit."""
+    config = HFLlamaConfig(**raw)
+    ours, theirs = both(config.head_dim, raw["rope_parameters"])
+    ulps = np.abs(ours.view(np.int32).astype(np.int64) - theirs.view(np.int32).astype(np.int64))
+    assert ulps.max() <= 1
