@@ -28,15 +28,19 @@ import numpy as np
 HIDDEN, INTER, VOCAB, HEADS, KV, HEAD_DIM = 4096, 14336, 128256, 32, 8, 128
 SHARD_BYTES = 1 << 30
 
+# Peak RSS is the process's VmHWM (ru_maxrss would carry the parent's peak across fork + exec).
 CHILD = r"""
-import resource, sys, time, json
+import sys, time, json
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
 from converter import convert
-start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+start_rss = status("VmHWM")
 t = time.perf_counter()
 summary = convert(sys.argv[1], sys.argv[2], overwrite=True, progress=False)
 seconds = time.perf_counter() - t
-print(json.dumps({"seconds": seconds, "bytes": summary.bytes, "start_rss": start_rss,
-                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+print(json.dumps({"seconds": seconds, "bytes": summary.bytes, "start_rss": start_rss, "peak_rss": status("VmHWM")}))
 """
 
 

@@ -146,8 +146,11 @@ def _copy(plan: _Plan, tensors: list[SourceTensor], kind: str, tmp: Path, progre
                     for t in (t for t in todo if t.file == file):
                         path, index = plan.sources[t.name]
                         target = plan.specs[path][1]
-                        chunks = (c if c.dtype == target else c.astype(target) for c in iter_chunks(t, handle))
-                        n = writer.write_slice(path, index, (memoryview(c.view(np.uint8)) for c in chunks))
+                        if t.offset is not None and t.dtype == target:  # a byte copy: let the kernel do it
+                            n = writer.copy_slice(path, index, handle, t.offset)
+                        else:
+                            chunks = (c if c.dtype == target else c.astype(target) for c in iter_chunks(t, handle))
+                            n = writer.write_slice(path, index, (memoryview(c.view(np.uint8)) for c in chunks))
                         written += n
                         bar.update(n)
                 finally:

@@ -1,5 +1,6 @@
 """convert-llama on every input form it accepts: layouts, dtypes, verification, reruns, hub ids."""
 
+import errno
 import json
 import shutil
 import subprocess
@@ -146,20 +147,36 @@ def test_verify_catches_a_flipped_byte(tmp_path, tiny_converted):
 
 def test_convert_with_verify_fails_on_a_corrupted_write_and_leaves_nothing(tmp_path, tiny_checkpoint,
                                                                            monkeypatch):
-    import os
+    from jaxmodel.checkpoint import CheckpointWriter
 
-    real_pwrite = os.pwrite
+    real_finish = CheckpointWriter.finish
 
-    def flaky_pwrite(fd, data, offset):  # flips a bit in one tensor as it reaches the disk
-        data = bytes(data)
-        if len(data) == 64 * 4:  # a norm weight's slice (hidden 64, float32)
-            data = bytes([data[0] ^ 1]) + data[1:]
-        return real_pwrite(fd, data, offset)
+    def finish_after_a_bit_flips_on_disk(self, info=None):
+        file = self.directory / "params" / "norm.weight.safetensors"
+        data = bytearray(file.read_bytes())
+        data[-1] ^= 0x01
+        file.write_bytes(bytes(data))
+        return real_finish(self, info)
 
-    monkeypatch.setattr(os, "pwrite", flaky_pwrite)
-    with pytest.raises(ConversionError, match=r"out/params/.*norm\.weight\.safetensors: checksum mismatch"):
+    monkeypatch.setattr(CheckpointWriter, "finish", finish_after_a_bit_flips_on_disk)
+    with pytest.raises(ConversionError, match=r"out/params/norm\.weight\.safetensors: checksum mismatch in 'norm"):
         convert(tiny_checkpoint, tmp_path / "out", verify=True, progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("copy_error", [errno.EXDEV, errno.ENOSYS])
+def test_byte_copy_falls_back_when_the_kernel_cannot_copy(tmp_path, tiny_checkpoint, tiny_converted, monkeypatch,
+                                                          copy_error):
+    import os
+
+    def refuse(*args):
+        raise OSError(copy_error, os.strerror(copy_error))
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    convert(tiny_checkpoint, tmp_path / "out", verify=True, progress=False)
+    assert stored(tmp_path / "out").keys() == stored(tiny_converted).keys()
+    for name, value in stored(tiny_converted).items():
+        np.testing.assert_array_equal(stored(tmp_path / "out")[name], value)
 
 
 def test_rerun_is_idempotent(tmp_path, tiny_checkpoint, tiny_converted):
@@ -223,3 +240,42 @@ def test_hub_id_missing_from_cache_offline_is_a_clear_error(tmp_path):
     assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
     assert "meta-llama/Not-Cached: not in the local HuggingFace cache" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def run_without(modules: tuple[str, ...], code: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter where importing any of `modules` fails, as if not installed."""
+    blocker = (
+        "import sys\n"
+        "class NotInstalled:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {modules!r}:\n"
+        "            raise ImportError(f'{name} is not installed here')\n"
+        "sys.meta_path.insert(0, NotInstalled())\n"
+    )
+    return subprocess.run([sys.executable, "-c", blocker + code], capture_output=True, text=True, timeout=300)
+
+
+def test_safetensors_conversion_needs_no_torch(tmp_path, tiny_checkpoint):
+    """A rocm/jax container has no torch: converting and loading safetensors must not import it."""
+    result = run_without(("torch", "transformers", "peft"), (
+        "from converter import convert\n"
+        "from jaxmodel.checkpoint import load_pretrained\n"
+        f"convert({str(tiny_checkpoint)!r}, {str(tmp_path / 'out')!r}, verify=True, progress=False)\n"
+        f"load_pretrained({str(tmp_path / 'out')!r})\n"
+        "print('ok')\n"
+    ))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("ok")
+
+
+def test_bin_checkpoint_without_torch_is_a_clear_error(tmp_path):
+    src = build_tiny_llama(tmp_path / "hf", SMALL, weights="bin", tokenizer=False)
+    result = run_without(("torch",), (
+        "from converter.cli import main\n"
+        f"sys.exit(main(['--src', {str(src)!r}, '--out', {str(tmp_path / 'out')!r}]))\n"
+    ))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"convert-llama: error: {src / 'pytorch_model.bin'}: a PyTorch pickle checkpoint; reading it needs torch "
+        "(pip install 'llama-jax[torch]'), or convert from safetensors"
+    ]

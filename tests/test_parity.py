@@ -28,9 +28,11 @@ F32_TOL = 1e-4
 def f32_tolerance(expected: np.ndarray) -> float:
     return F32_TOL * max(1.0, float(np.abs(expected).max()))
 
-# bf16 keeps 8 bits of mantissa: each of the two sides rounds its activations at different points, so
-# logits differ by a few bf16 ulps of the largest logit. Bound: 3% of the logit range.
-BF16_REL_TOL = 3e-2
+# bf16: the two sides round activations at different points, so they are compared through a float64
+# run of transformers on the same bf16 weights: the port's error must stay within 2x transformers' own
+# bf16 error. Measured over 12 drawn configs: ratio 0.57-1.34 (the port keeps scores and logits in
+# float32, transformers rounds them to bf16).
+BF16_ERROR_RATIO = 2.0
 
 
 def hf_and_jax(config: dict, dtype: str = "float32", seed: int = 0):
@@ -72,11 +74,14 @@ def test_bfloat16_logits_match_transformers_within_documented_bound(config, shap
     hf, model = hf_and_jax(config, dtype="bfloat16", seed=seed)
     assert model.embed_tokens.weight[...].dtype == jnp.bfloat16
     ids = np.random.default_rng(seed).integers(0, config["vocab_size"], shape)
-    expected = hf_logits(hf, ids)
+    theirs = hf_logits(hf, ids)
+    with torch.no_grad():
+        exact = hf.double()(torch.tensor(ids)).logits.numpy()
     got = np.asarray(jax_logits(model, jnp.asarray(ids, jnp.int32)))
     assert got.dtype == np.float32
-    scale = max(np.abs(expected).max(), 1.0)
-    assert np.abs(got - expected).max() <= BF16_REL_TOL * scale
+    their_error = np.abs(theirs - exact).max()
+    floor = 1e-3 * max(1.0, np.abs(exact).max())  # where transformers happens to be almost exact
+    assert np.abs(got - exact).max() <= BF16_ERROR_RATIO * their_error + floor
 
 
 @settings(max_examples=6)
