@@ -245,7 +245,7 @@ def load_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None, 
     if dtype is None:
         dtype = param_dtype or DTYPES_BY_NAME[stored.get("embed_tokens.weight", {}).get("dtype", "float32")]
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, param_dtype=param_dtype or dtype,
-                                                       remat=remat, rngs=nnx.Rngs(0)))
+                                                       remat=remat, rules=rules, rngs=nnx.Rngs(0)))
     for names, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
         name = ".".join(map(str, names))
         entry = stored.get(name)

@@ -22,8 +22,14 @@ def _stacked(layers: int | None, shape: tuple[int, ...], axes: tuple[str | None,
     return (layers, *shape), ("layers", *axes)
 
 
+class LoRAParam(nnx.Variable):
+    """A LoRA adapter matrix: the only trainable variable type, so "trainable" is a type filter."""
+
+
 class Linear(nnx.Module):
-    """`y = x @ weight.T + bias` with `weight: [out, in]` as torch stores it."""
+    """`y = x @ weight.T + bias` with `weight: [out, in]` as torch stores it, plus, once a LoRA adapter is
+    attached (`jaxmodel.lora.apply_lora`), `scale * (x @ lora_a) @ lora_b` with `lora_a: [in, r]`,
+    `lora_b: [r, out]`, computed in float32 as PEFT does."""
 
     def __init__(
         self,
@@ -45,12 +51,19 @@ class Linear(nnx.Module):
         else:
             self.bias = None
         self.dtype = dtype
+        self.lora_a: LoRAParam | None = nnx.data(None)  # set by jaxmodel.lora.apply_lora
+        self.lora_b: LoRAParam | None = nnx.data(None)
+        self.lora_scale = 0.0
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w_oi = self.weight[...].astype(self.dtype)
         y = jax.lax.dot_general(x.astype(self.dtype), w_oi, (((x.ndim - 1,), (1,)), ((), ())))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
+        if self.lora_a is not None:
+            a_ir, b_ro = self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32)
+            delta = (x.astype(jnp.float32) @ a_ir) @ b_ro
+            y = (y.astype(jnp.float32) + self.lora_scale * delta).astype(self.dtype)
         return y
 
 

@@ -15,6 +15,7 @@ from flax import nnx
 from jaxmodel.config import LlamaConfig
 from jaxmodel.layers import Embed, Linear, RMSNorm
 from jaxmodel.rope import apply_rope, cos_sin, inv_freq
+from jaxmodel.sharding import DEFAULT_RULES, Rules, constrain
 
 REMAT_POLICIES = {
     "none": None,
@@ -96,12 +97,13 @@ class LlamaForCausalLM(nnx.Module):
     time does not grow with depth; `remat` names the rematerialisation policy of the scanned body."""
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
-                 rngs: nnx.Rngs):
+                 rules: Rules = DEFAULT_RULES, rngs: nnx.Rngs):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
         self.config = config
         self.dtype = dtype
         self.remat = remat
+        self.rules = tuple(rules)  # logical axes -> mesh axes, for activations under a mesh
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                   rngs=rngs)
         self.layers = DecoderLayer(config, layers=config.num_hidden_layers, dtype=dtype, param_dtype=param_dtype,
@@ -113,8 +115,13 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, axes=("vocab", "embed"), dtype=dtype,
                                   param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, input_ids, *, attention_mask=None, positions=None) -> jax.Array:
-        """float32 logits `[b, t, v]` for int ids `[b, t]`; `attention_mask` `[b, t]` marks real tokens."""
+    def __call__(self, input_ids, *, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
+        """float32 logits `[b, t, v]` for int ids `[b, t]`.
+
+        `attention_mask` `[b, t]` marks real tokens (padding is 0). `segment_ids` `[b, t]` numbers the
+        documents packed into a row (0 = padding): a token attends only within its own document, and
+        `positions` should then restart at each document's start.
+        """
         b, t = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -122,6 +129,9 @@ class LlamaForCausalLM(nnx.Module):
         mask_bts = jnp.broadcast_to(causal_ts, (b, t, t))
         if attention_mask is not None:
             mask_bts = mask_bts & attention_mask.astype(bool)[:, None, :]
+        if segment_ids is not None:
+            same_doc_bts = segment_ids[:, :, None] == segment_ids[:, None, :]
+            mask_bts = mask_bts & same_doc_bts & (segment_ids != 0)[:, None, :]
         logits, _ = self._forward(input_ids, positions, mask_bts, None, 0)
         return logits
 
@@ -145,12 +155,15 @@ class LlamaForCausalLM(nnx.Module):
     def _forward(self, input_ids, positions, mask_bts, cache: KVCache | None, cache_index):
         c = self.config
         cos_bth, sin_bth = cos_sin(positions, inv_freq(c.rope, c.head_dim), self.dtype)
-        h_btd = self.embed_tokens(input_ids)
+        h_btd = constrain(self.embed_tokens(input_ids), ("act_batch", "act_seq", "act_embed"), self.rules)
         graphdef, layer_state = nnx.split(self.layers)
+
+        act = ("act_batch", "act_seq", "act_embed")
 
         def layer_step(h_btd, xs):
             state, kv = xs
-            return nnx.merge(graphdef, state)(h_btd, cos_bth, sin_bth, mask_bts, kv, cache_index)
+            h_btd, kv = nnx.merge(graphdef, state)(h_btd, cos_bth, sin_bth, mask_bts, kv, cache_index)
+            return constrain(h_btd, act, self.rules), kv
 
         policy = REMAT_POLICIES[self.remat]
         if self.remat != "none":
@@ -161,4 +174,5 @@ class LlamaForCausalLM(nnx.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         w_vd = head.weight[...].astype(self.dtype)
         logits_btv = jnp.einsum("btd,vd->btv", h_btd, w_vd, preferred_element_type=jnp.float32)
+        logits_btv = constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"), self.rules)
         return logits_btv, (None if cache is None else KVCache(*kv_ys))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
@@ -12,6 +13,7 @@ Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 # vocab, so that every matrix is split both ways on a full (fsdp, mp) mesh. The layer axis stays whole:
 # the scan walks it.
 DEFAULT_RULES: Rules = (
+    # parameters
     ("layers", None),
     ("embed", "fsdp"),
     ("vocab", "mp"),
@@ -19,6 +21,12 @@ DEFAULT_RULES: Rules = (
     ("kv_heads", "mp"),
     ("mlp", "mp"),
     ("norm", None),
+    ("lora_rank", None),
+    # activations: the batch over (dp, fsdp), the hidden state whole, heads/mlp/vocab over mp
+    ("act_batch", ("dp", "fsdp")),
+    ("act_seq", None),
+    ("act_embed", None),
+    ("act_vocab", "mp"),
 )
 
 
@@ -43,6 +51,14 @@ def partition_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
         used.update(mesh_axes)
         spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
     return PartitionSpec(*spec)
+
+
+def constrain(x, axes: Sequence[str | None], rules: Rules = DEFAULT_RULES):
+    """Pin an activation's sharding inside a jit when a mesh is set (`jax.set_mesh`); else a no-op."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, partition_spec(axes, x.shape, mesh, rules))
 
 
 def named_sharding(axes, shape, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:

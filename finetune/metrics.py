@@ -1,0 +1,71 @@
+"""Per-step metrics: RUN_DIR/metrics.jsonl (one JSON object per step) and TensorBoard event files."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxmodel.config import LlamaConfig
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+    """Model FLOPs per trained token of a LoRA step (frozen base), counted as:
+
+    forward 2N (N = matmul weights: q, k, v, o, gate, up, down per layer, and the LM head) plus attention
+    4·L·T·H (QKᵀ and AV with H = heads·head_dim, T the sequence, causality not discounted); the backward
+    pass needs activation gradients only (no base-weight gradients): 2N + 8·L·T·H. Total
+    4N + 12·L·T·H. LoRA's own matmuls (rank r) are under 1% at r=8 and are left out.
+    """
+    c = config
+    q = c.num_attention_heads * c.head_dim
+    kv = c.num_key_value_heads * c.head_dim
+    per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    n = c.num_hidden_layers * per_layer + c.hidden_size * c.vocab_size
+    attention = c.num_hidden_layers * seq_len * q
+    return 4.0 * n + 12.0 * attention
+
+
+def measure_peak_flops(dtype, size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of one device on a square matmul in `dtype`: the denominator of the MFU estimate."""
+    a = jnp.ones((size, size), dtype)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best
+
+
+class MetricsWriter:
+    """Writes on process 0 only; every process calls it."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.enabled = enabled
+        self._jsonl = None
+        self._tb = None
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(logdir=str(run_dir / "tensorboard"))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._jsonl.flush()
+        for key, value in metrics.items():
+            if value is not None:
+                self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            self._tb.close()

@@ -1,0 +1,91 @@
+"""The jit-compiled train and eval steps: masked next-token loss, gradients for LoRA parameters only,
+gradient accumulation over micro-batches, and the optax update."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from finetune.config import TrainConfig
+from jaxmodel.layers import LoRAParam
+
+BATCH_KEYS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    lora: nnx.State  # the trainable LoRAParam variables
+    opt_state: Any
+    rng: jax.Array  # dropout key stream
+
+
+def make_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """Clip by global norm, then AdamW on a warm-up + cosine/linear/constant schedule."""
+    decay_steps = max(config.steps - config.warmup_steps, 1)
+    end = config.lr * config.min_lr_ratio
+    decay = {
+        "cosine": optax.cosine_decay_schedule(config.lr, decay_steps, alpha=config.min_lr_ratio),
+        "linear": optax.linear_schedule(config.lr, end, decay_steps),
+        "constant": optax.constant_schedule(config.lr),
+    }[config.schedule]
+    if config.warmup_steps:
+        schedule = optax.join_schedules([optax.linear_schedule(0.0, config.lr, config.warmup_steps), decay],
+                                        [config.warmup_steps])
+    else:
+        schedule = decay
+    adamw = optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
+                        weight_decay=config.weight_decay)
+    chain = [optax.clip_by_global_norm(config.clip_norm)] if config.clip_norm > 0 else []
+    return optax.chain(*chain, adamw), schedule
+
+
+def loss_sums(model, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """(sum of masked next-token cross-entropy, number of target tokens) over a batch."""
+    logits_btv = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+    losses_bt = optax.softmax_cross_entropy_with_integer_labels(logits_btv, batch["targets"])
+    mask_bt = batch["loss_mask"]
+    return jnp.sum(losses_bt * mask_bt), jnp.sum(mask_bt)
+
+
+def build_steps(graphdef, schedule, tx: optax.GradientTransformation, grad_accum: int):
+    """Pure train/eval step functions over (state, frozen base, batch); the caller jits them."""
+
+    def micro_loss(lora, base, micro):
+        model = nnx.merge(graphdef, base, lora)
+        return loss_sums(model, micro)
+
+    def train_step(state: TrainState, base, batch):
+        # [B, T] -> [accum, B / accum, T]: one backward pass per micro-batch, grads summed.
+        # Micro-batch k takes rows k, k + accum, ...: each device's block of rows feeds every micro-batch.
+        micro = {k: v.reshape(v.shape[0] // grad_accum, grad_accum, *v.shape[1:]).swapaxes(0, 1)
+                 for k, v in batch.items()}
+        grad_of = jax.value_and_grad(micro_loss, has_aux=True)  # d(loss sum)/d(LoRA), token count as aux
+
+        def accumulate(carry, mb):
+            grads, loss_sum, tokens = carry
+            (l, n), g = grad_of(state.lora, base, mb)
+            return (jax.tree.map(jnp.add, grads, g), loss_sum + l, tokens + n), None
+
+        zeros = jax.tree.map(jnp.zeros_like, state.lora)
+        (grads, loss_sum, tokens), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), micro)
+        denom = jnp.maximum(tokens, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)  # mean over every target token of the global batch
+        updates, opt_state = tx.update(grads, state.opt_state, state.lora)
+        lora = optax.apply_updates(state.lora, updates)
+        metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step),
+                   "tokens": tokens}
+        return TrainState(state.step + 1, lora, opt_state, state.rng), metrics
+
+    def eval_step(lora, base, batch):
+        return micro_loss(lora, base, batch)
+
+    return train_step, eval_step
+
+
+def split_model(model) -> tuple[Any, nnx.State, nnx.State]:
+    """(graphdef, LoRA state, frozen rest): what is trainable is exactly the LoRAParam variables."""
+    return nnx.split(model, LoRAParam, ...)
