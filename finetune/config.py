@@ -68,6 +68,8 @@ class TrainConfig:
     checkpoint_every: int = option(100, "save a checkpoint every N steps (and at the end)")
     keep_checkpoints: int = option(3, "keep the newest N checkpoints")
     resume: bool = option(False, "continue from the newest checkpoint in --out")
+    stop_after: int = option(0, "end this invocation after N more steps, with a checkpoint (e.g. to fit a job's "
+                                "time limit); --resume continues the same schedule (0: run to --steps)")
     log_every: int = option(1, "write metrics every N steps")
     progress: bool = option(True, "show a progress bar (--no-progress to hide it)")
     # planning without hardware

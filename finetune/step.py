@@ -51,37 +51,44 @@ def loss_sums(model, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]
     return jnp.sum(losses_bt * mask_bt), jnp.sum(mask_bt)
 
 
+def loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, batch: dict[str, jax.Array], grad_accum: int = 1):
+    """(mean loss, target tokens, d mean loss / d LoRA) over a global batch, one micro-batch at a time.
+
+    Sums of per-token losses and gradients are divided once by the batch's target-token count, so the
+    result does not depend on how the batch is split over micro-batches or devices.
+    """
+    def micro_loss(lora, micro):
+        return loss_sums(nnx.merge(graphdef, base, lora), micro)
+
+    # [B, T] -> [accum, B / accum, T]; micro-batch k takes rows k, k + accum, ...: every device's block
+    # of rows feeds every micro-batch.
+    micro = {k: v.reshape(v.shape[0] // grad_accum, grad_accum, *v.shape[1:]).swapaxes(0, 1)
+             for k, v in batch.items()}
+    grad_of = jax.value_and_grad(micro_loss, has_aux=True)  # d(loss sum)/d(LoRA), token count as aux
+
+    def accumulate(carry, mb):
+        grads, loss_sum, tokens = carry
+        (l, n), g = grad_of(lora, mb)
+        return (jax.tree.map(jnp.add, grads, g), loss_sum + l, tokens + n), None
+
+    zeros = jax.tree.map(jnp.zeros_like, lora)
+    (grads, loss_sum, tokens), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), micro)
+    denom = jnp.maximum(tokens, 1.0)
+    return loss_sum / denom, tokens, jax.tree.map(lambda g: g / denom, grads)
+
+
 def build_steps(graphdef, schedule, tx: optax.GradientTransformation, grad_accum: int):
     """Pure train/eval step functions over (state, frozen base, batch); the caller jits them."""
 
-    def micro_loss(lora, base, micro):
-        model = nnx.merge(graphdef, base, lora)
-        return loss_sums(model, micro)
-
     def train_step(state: TrainState, base, batch):
-        # [B, T] -> [accum, B / accum, T]: one backward pass per micro-batch, grads summed.
-        # Micro-batch k takes rows k, k + accum, ...: each device's block of rows feeds every micro-batch.
-        micro = {k: v.reshape(v.shape[0] // grad_accum, grad_accum, *v.shape[1:]).swapaxes(0, 1)
-                 for k, v in batch.items()}
-        grad_of = jax.value_and_grad(micro_loss, has_aux=True)  # d(loss sum)/d(LoRA), token count as aux
-
-        def accumulate(carry, mb):
-            grads, loss_sum, tokens = carry
-            (l, n), g = grad_of(state.lora, base, mb)
-            return (jax.tree.map(jnp.add, grads, g), loss_sum + l, tokens + n), None
-
-        zeros = jax.tree.map(jnp.zeros_like, state.lora)
-        (grads, loss_sum, tokens), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), micro)
-        denom = jnp.maximum(tokens, 1.0)
-        grads = jax.tree.map(lambda g: g / denom, grads)  # mean over every target token of the global batch
+        loss, tokens, grads = loss_and_grads(graphdef, state.lora, base, batch, grad_accum)
         updates, opt_state = tx.update(grads, state.opt_state, state.lora)
         lora = optax.apply_updates(state.lora, updates)
-        metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step),
-                   "tokens": tokens}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step), "tokens": tokens}
         return TrainState(state.step + 1, lora, opt_state, state.rng), metrics
 
     def eval_step(lora, base, batch):
-        return micro_loss(lora, base, batch)
+        return loss_sums(nnx.merge(graphdef, base, lora), batch)
 
     return train_step, eval_step
 

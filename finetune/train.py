@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -85,10 +86,11 @@ def _place(tree, mesh, rules):
     return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def setup(config: TrainConfig):
-    """Everything a run needs before its first step: mesh, model with LoRA, data, optimizer, jitted steps."""
+def setup(config: TrainConfig, devices=None):
+    """Everything a run needs before its first step: mesh (over `devices`, default all), model with LoRA,
+    data, optimizer, jitted steps."""
     initialize_distributed(config.coordinator, config.num_processes, config.process_id)
-    mesh = make_mesh(config.mesh)
+    mesh = make_mesh(config.mesh, devices)
     batch_ways = mesh.shape["dp"] * mesh.shape["fsdp"]
     if config.batch_size % batch_ways or (config.batch_size // config.grad_accum) % batch_ways:
         raise ConfigFileError(f"--batch-size {config.batch_size} / --grad-accum {config.grad_accum} must be a multiple "
@@ -113,8 +115,12 @@ def setup(config: TrainConfig):
         graphdef, lora, base = split_model(model)
         lora = _place(lora, mesh, model.rules)
         tx, schedule = make_optimizer(config)
-        opt_state = jax.jit(tx.init)(lora)
         replicated = NamedSharding(mesh, PartitionSpec())
+        # Adam's moments take their parameter's sharding; counters are replicated.
+        opt_shardings = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, lora),
+                                              jax.tree.map(lambda x: x.sharding, lora),
+                                              transform_non_params=lambda _: replicated)
+        opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(lora)
         state = TrainState(jax.device_put(jnp.int32(0), replicated), lora, opt_state,
                            jax.device_put(jax.random.key(config.seed), replicated))
     train_fn, eval_fn = build_steps(graphdef, schedule, tx, config.grad_accum)
@@ -156,9 +162,10 @@ def train(config: TrainConfig) -> RunSummary:
 
     bar = tqdm(total=config.steps, initial=start_step, desc="finetune", disable=not (config.progress and is_main))
     step = start_step
+    last_step = min(config.steps, start_step + config.stop_after) if config.stop_after else config.steps
     try:
         with jax.set_mesh(mesh):
-            while step < config.steps and not stop["sigterm"]:
+            while step < last_step and not stop["sigterm"]:
                 batch = _global_batch(train_rows, lambda lo, hi, g=position: row_indices(
                     len(train_rows), config.seed, g, config.batch_size, lo, hi), batch_sharding, config.batch_size)
                 t0 = time.perf_counter()
@@ -185,7 +192,7 @@ def train(config: TrainConfig) -> RunSummary:
                     metrics.write(step, record)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}")
-                if step % config.checkpoint_every == 0 or step == config.steps or stop["sigterm"]:
+                if step % config.checkpoint_every == 0 or step == last_step or stop["sigterm"]:
                     checkpoints.save(state, {"data_position": position, "step": step})
             if run["eval_rows"] is not None and not config.eval_every and step == config.steps:
                 metrics.write(step, {"eval_loss": evaluate(run, state, config)})

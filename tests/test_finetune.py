@@ -1,0 +1,214 @@
+"""LoRA training: what trains, what stays frozen, equality across meshes, exact resume, clean stops."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from finetune.cli import main
+from finetune.config import TrainConfig
+from finetune.step import loss_and_grads
+from finetune.train import _global_batch, setup, train
+from finetune.data import row_indices
+
+
+def addition_rows(n=48, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"prompt": f"add {a} + {b} =", "completion": f" {a + b}"} for a, b in rng.integers(0, 40, (n, 2))]
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in addition_rows()))
+    return path
+
+
+def config(tiny_converted, data_file, out, **kw) -> TrainConfig:
+    values = dict(model=str(tiny_converted), data=str(data_file), out=str(out), mesh="dp=1,fsdp=-1,mp=1", steps=6,
+                  batch_size=8, seq_len=32, dtype="float32", lr=3e-3, progress=False, checkpoint_every=100)
+    values.update(kw)
+    return TrainConfig(**values).validate()
+
+
+def flat(state) -> dict[str, np.ndarray]:
+    return {".".join(map(str, k)): np.asarray(jax.device_get(v[...])) for k, v in nnx.to_flat_state(state)}
+
+
+def test_only_lora_trains_and_the_loss_falls(tmp_path, tiny_converted, data_file):
+    run = setup(config(tiny_converted, data_file, tmp_path / "run", steps=30, lr=1e-2, schedule="constant"))
+    base_before = flat(run["base"])
+    lora_before = flat(run["state"].lora)
+    assert all(k.endswith(("lora_a", "lora_b")) for k in lora_before) and len(lora_before) == 14
+    assert all(not np.any(v) for k, v in lora_before.items() if k.endswith("lora_b"))  # B starts at zero
+    state, losses = run["state"], []
+    with jax.set_mesh(run["mesh"]):
+        for g in range(30):
+            batch = _global_batch(run["train_rows"], lambda lo, hi, g=g: row_indices(len(run["train_rows"]), 0, g % 2, 8,
+                                                                                    lo, hi), run["batch_sharding"], 8)
+            state, metrics = run["train_step"](state, run["base"], batch)
+            losses.append(float(metrics["loss"]))
+    assert losses[-1] < 0.2 * losses[0]  # memorising two batches
+    for name, value in flat(run["base"]).items():
+        np.testing.assert_array_equal(value, base_before[name], err_msg=name)  # bit-identical
+    assert all(not np.array_equal(v, lora_before[k]) for k, v in flat(state.lora).items())
+    # optimizer state covers LoRA parameters only
+    opt_leaves = jax.tree.leaves(state.opt_state)
+    assert sum(x.size for x in opt_leaves) <= 2 * sum(v.size for v in lora_before.values()) + 10
+
+
+def grads_on(tiny_converted, data_file, tmp_path, mesh: str, devices, grad_accum=1):
+    run = setup(config(tiny_converted, data_file, tmp_path / "run", mesh=mesh, grad_accum=grad_accum), devices=devices)
+    # LoRA B made non-zero so that gradients reach A too
+    lora = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), run["state"].lora)
+    with jax.set_mesh(run["mesh"]):
+        batch = _global_batch(run["train_rows"], lambda lo, hi: row_indices(len(run["train_rows"]), 0, 0, 8, lo, hi),
+                              run["batch_sharding"], 8)
+        fn = jax.jit(lambda lora, base, batch: loss_and_grads(run["graphdef"], lora, base, batch, grad_accum))
+        loss, tokens, grads = fn(lora, run["base"], batch)
+    return float(loss), float(tokens), flat(grads)
+
+
+@pytest.fixture(scope="module")
+def reference_grads(tiny_converted, data_file, tmp_path_factory):
+    return grads_on(tiny_converted, data_file, tmp_path_factory.mktemp("ref"), "dp=1,fsdp=1,mp=1", jax.devices()[:1])
+
+
+@pytest.mark.parametrize("mesh, accum", [("dp=1,fsdp=8,mp=1", 1), ("dp=2,fsdp=4,mp=1", 1), ("dp=2,fsdp=2,mp=2", 1),
+                                         ("dp=1,fsdp=4,mp=2", 2)])
+def test_same_loss_and_grads_on_every_mesh(tmp_path, tiny_converted, data_file, reference_grads, mesh, accum):
+    loss, tokens, grads = grads_on(tiny_converted, data_file, tmp_path, mesh, jax.devices(), grad_accum=accum)
+    ref_loss, ref_tokens, ref_grads = reference_grads
+    assert tokens == ref_tokens and abs(loss - ref_loss) <= 1e-5
+    for name, g in grads.items():
+        np.testing.assert_allclose(g, ref_grads[name], atol=1e-5, rtol=0, err_msg=name)
+
+
+def test_lora_state_is_sharded_like_its_base_weight(tmp_path, tiny_converted, data_file):
+    run = setup(config(tiny_converted, data_file, tmp_path / "run", mesh="dp=1,fsdp=4,mp=2"))
+    attn = run["model"].layers.self_attn
+    assert attn.q_proj.weight[...].sharding.spec == P(None, "mp", "fsdp")
+    assert run["state"].lora["layers"]["self_attn"]["q_proj"]["lora_a"][...].sharding.spec == P(None, "fsdp", None)
+    assert run["state"].lora["layers"]["self_attn"]["q_proj"]["lora_b"][...].sharding.spec == P(None, None, "mp")
+    mu = run["state"].opt_state[1][0].mu["layers"]["self_attn"]["q_proj"]["lora_a"][...]
+    assert mu.sharding.spec == P(None, "fsdp", None)
+
+
+def test_resume_continues_exactly(tmp_path, tiny_converted, data_file):
+    straight = config(tiny_converted, data_file, tmp_path / "straight", steps=10, checkpoint_every=5)
+    train(straight)
+    train(config(tiny_converted, data_file, tmp_path / "resumed", steps=10, checkpoint_every=5, stop_after=5))
+    train(config(tiny_converted, data_file, tmp_path / "resumed", steps=10, checkpoint_every=5, resume=True))
+    a = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in b] == list(range(1, 11))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bit for bit
+    from finetune.checkpoints import RunCheckpoints
+
+    run = setup(straight)
+    with jax.set_mesh(run["mesh"]):
+        sa, meta_a = RunCheckpoints(tmp_path / "straight" / "checkpoints", 3).restore(run["state"])
+        sb, meta_b = RunCheckpoints(tmp_path / "resumed" / "checkpoints", 3).restore(run["state"])
+    assert meta_a == meta_b == {"data_position": 10, "step": 10}
+    for name, value in flat(sa.lora).items():
+        np.testing.assert_array_equal(value, flat(sb.lora)[name], err_msg=name)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, tiny_converted, data_file):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "finetune.cli", "--model", str(tiny_converted), "--data", str(data_file), "--out",
+           str(out), "--steps", "100000", "--batch-size", "8", "--seq-len", "32", "--dtype", "float32",
+           "--no-progress", "--checkpoint-every", "100000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and
+                                          len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "stopped by SIGTERM after" in stdout
+    steps_done = len((out / "metrics.jsonl").read_text().splitlines())
+    saved = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == [steps_done]
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny_converted, data_file, capsys):
+    code = main(["--model", str(tiny_converted), "--data", str(data_file), "--out", str(tmp_path / "run"),
+                 "--steps", "20", "--batch-size", "8", "--seq-len", "32", "--dtype", "float32", "--lr", "1e30",
+                 "--clip-norm", "0", "--checkpoint-every", "1", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1
+    assert "non-finite loss or gradient at step" in err[0] and "newest checkpoint kept: step" in err[0]
+    bad_step = int(err[0].split("at step ")[1].split()[0])
+    saved = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and max(saved) == bad_step - 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mesh", "dp=3,fsdp=1,mp=1"], "--mesh 'dp=3,fsdp=1,mp=1': dp x fsdp x mp = 3x1x1 = 3 devices, but 8 are available"),
+    (["--rank", "0"], "--rank must be a positive integer, got 0"),
+    (["--seq-len", "4096"], "--seq-len 4096 exceeds the model's max_position_embeddings (1024)"),
+    (["--targets", "q_proj,attn"], "LoRA targets ['attn']"),
+    (["--batch-size", "6"], "--batch-size 6 / --grad-accum 1 must be a multiple of dp x fsdp = 8"),
+])
+def test_bad_options_are_one_line_errors(tmp_path, tiny_converted, data_file, capsys, args, message):
+    base = ["--model", str(tiny_converted), "--data", str(data_file), "--out", str(tmp_path / "run"), "--steps", "1",
+            "--seq-len", "32", "--batch-size", "8", "--no-progress"]
+    code = main(base + args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and message in err[0], err
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, tiny_checkpoint, tiny_converted, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "fine"}\n{"text": \n')
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text('{"text": "fine"}\n{"answer": "x"}\n')
+    cases = [
+        (["--model", str(tiny_converted), "--data", str(empty)], f"{empty}: no rows"),
+        (["--model", str(tiny_converted), "--data", str(broken)], f"{broken}:2: not valid JSON"),
+        (["--model", str(tiny_converted), "--data", str(missing)], f"{missing}:2: expected a 'text' string"),
+        (["--model", str(tiny_checkpoint), "--data", str(missing)], "not a converted checkpoint"),
+    ]
+    for args, message in cases:
+        code = main(args + ["--out", str(tmp_path / "run"), "--steps", "1", "--seq-len", "32", "--batch-size", "8",
+                            "--no-progress"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code != 0 and len(err) == 1 and message in err[0], (args, err)
+
+
+def test_yaml_config_with_flags_overriding(tmp_path, tiny_converted, data_file):
+    from finetune.config import load_config
+
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text(f"model: {tiny_converted}\ndata: {data_file}\nout: {tmp_path}\nrank: 4\nlr: 0.001\n"
+                         "targets: [q_proj, v_proj]\nseq-len: 64\n")
+    cfg = load_config(["--config", str(yaml_file), "--rank", "16"], "finetune-lora", "")
+    assert (cfg.rank, cfg.lr, cfg.seq_len, cfg.target_modules) == (16, 0.001, 64, ("q_proj", "v_proj"))
+    yaml_file.write_text("rnak: 4\n")
+    from finetune.config import ConfigFileError
+
+    with pytest.raises(ConfigFileError, match="unknown option 'rnak'"):
+        load_config(["--config", str(yaml_file)], "finetune-lora", "")
+
+
+def test_help_documents_every_option_and_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--mesh", "--steps", "--batch-size", "--seq-len", "--lr", "--rank", "--alpha", "--targets", "--seed",
+                 "--resume", "--config", "--plan", "--hbm-gb", "--show-sharding"):
+        assert flag in text
+    assert "(default: dp=1,fsdp=-1,mp=1)" in text and "(default: 8)" in text

@@ -1,0 +1,108 @@
+"""The data pipeline: row formats and their loss masks, packing without leakage, order, bad rows."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from finetune.data import DataError, Example, build_rows, read_rows, row_indices, tokenize
+from jaxmodel.checkpoint import load_pretrained
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_converted):
+    return AutoTokenizer.from_pretrained(tiny_converted)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_prompt_tokens_are_not_trained(tmp_path, tokenizer):
+    rows = read_rows(write_jsonl(tmp_path / "d.jsonl", [{"prompt": "add 2 + 3 =", "completion": " 5"}]))
+    (example,) = tokenize(rows, tokenizer)
+    prompt_len = 1 + len(tokenizer.encode("add 2 + 3 =", add_special_tokens=False))
+    assert not example.trained[:prompt_len].any() and example.trained[prompt_len:].all()
+    assert example.ids[-1] == tokenizer.eos_token_id
+
+
+def test_chat_rows_train_only_assistant_turns(tmp_path, tokenizer):
+    messages = [{"role": "user", "content": "reverse: a b"}, {"role": "assistant", "content": "b a"},
+                {"role": "user", "content": "again"}, {"role": "assistant", "content": "a b"}]
+    (example,) = tokenize(read_rows(write_jsonl(tmp_path / "c.jsonl", [{"messages": messages}])), tokenizer)
+    full = tokenizer.apply_chat_template(messages, tokenize=True)
+    full = list(full["input_ids"] if hasattr(full, "keys") else full)
+    assert example.ids.tolist() == full
+    trained_text = tokenizer.decode(example.ids[example.trained])
+    assert "b a" in trained_text and "a b" in trained_text
+    assert "reverse" not in trained_text and "again" not in trained_text and "user" not in trained_text
+
+
+def test_text_rows_train_everything(tmp_path, tokenizer):
+    (example,) = tokenize(read_rows(write_jsonl(tmp_path / "t.jsonl", [{"text": "the quick fox"}])), tokenizer)
+    assert example.trained.all() and example.ids[0] == tokenizer.bos_token_id
+
+
+def test_packing_keeps_documents_apart():
+    a = Example(np.array([1, 2, 3], np.int32), np.array([False, True, True]))
+    b = Example(np.array([4, 5], np.int32), np.array([True, True]))
+    rows, truncated = build_rows([a, b], 8, pack=True)
+    assert len(rows) == 1 and truncated == 0
+    np.testing.assert_array_equal(rows.input_ids[0], [1, 2, 3, 4, 5, 0, 0, 0])
+    np.testing.assert_array_equal(rows.segment_ids[0], [1, 1, 1, 2, 2, 0, 0, 0])
+    np.testing.assert_array_equal(rows.positions[0], [0, 1, 2, 0, 1, 0, 0, 0])
+    # targets never cross a document boundary: token 3 (end of a) predicts nothing
+    np.testing.assert_array_equal(rows.targets[0][:5], [2, 3, 0, 5, 0])
+    np.testing.assert_array_equal(rows.loss_mask[0], [1, 1, 0, 1, 0, 0, 0, 0])
+    padded, _ = build_rows([a, b], 8, pack=False)
+    assert len(padded) == 2 and padded.segment_ids[1].tolist() == [1, 1, 0, 0, 0, 0, 0, 0]
+
+
+def test_a_packed_document_sees_only_itself(tiny_converted):
+    model = load_pretrained(tiny_converted)
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(6, 512, 7), rng.integers(6, 512, 5)
+    rows, _ = build_rows([Example(a.astype(np.int32), np.ones(7, bool)), Example(b.astype(np.int32), np.ones(5, bool))],
+                         16, pack=True)
+    packed = model(jnp.asarray(rows.input_ids), positions=jnp.asarray(rows.positions),
+                   segment_ids=jnp.asarray(rows.segment_ids))
+    alone = model(jnp.asarray(b[None]))
+    np.testing.assert_allclose(np.asarray(packed[0, 7:12]), np.asarray(alone[0]), atol=1e-5)
+
+
+def test_long_examples_are_truncated_and_counted():
+    rows, truncated = build_rows([Example(np.arange(10, dtype=np.int32), np.ones(10, bool))], 4, pack=True)
+    assert truncated == 1 and rows.input_ids.tolist() == [[0, 1, 2, 3]]
+
+
+def test_order_is_a_seeded_permutation_per_epoch():
+    first = row_indices(10, seed=3, batch_index=0, batch_size=10)
+    assert sorted(first) == list(range(10))
+    assert np.array_equal(first, row_indices(10, seed=3, batch_index=0, batch_size=10))
+    assert not np.array_equal(first, row_indices(10, seed=4, batch_index=0, batch_size=10))
+    # a batch straddling two epochs; any slice of a batch equals that slice of the whole batch
+    whole = row_indices(10, seed=3, batch_index=1, batch_size=8)
+    np.testing.assert_array_equal(whole[2:6], row_indices(10, seed=3, batch_index=1, batch_size=8, start=2, stop=6))
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"text": "ok"}', '{"text": "broken'], "d.jsonl:2: not valid JSON"),
+    (['{"text": "ok"}', '', '[1, 2]'], "d.jsonl:3: expected a JSON object"),
+    (['{"question": "no"}'], "d.jsonl:1: expected a 'text' string, 'prompt' and 'completion' strings, or a 'messages'"),
+    (['{"messages": [{"role": "user", "content": "hi"}]}'], "d.jsonl:1: 'messages' has no assistant turn"),
+    ([], "d.jsonl: no rows (the dataset is empty)"),
+])
+def test_bad_rows_are_named_with_their_line(tmp_path, tokenizer, lines, message):
+    path = write_jsonl(tmp_path / "d.jsonl", lines)
+    with pytest.raises(DataError) as info:
+        tokenize(read_rows(path), tokenizer)
+    assert message in str(info.value)
+
+
+def test_other_file_formats_go_through_datasets(tmp_path, tokenizer):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"}]))
+    assert len(tokenize(read_rows(path), tokenizer)) == 2
