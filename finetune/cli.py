@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 
 from finetune.config import ConfigFileError, load_config
@@ -16,7 +18,10 @@ Every option can also come from a YAML file (--config FILE.yaml); flags override
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        config = load_config(argv, "finetune-lora", DESCRIPTION)
+        config = load_config(argv, "finetune-lora", DESCRIPTION, validate=False)
+        if config.plan and "jax" not in sys.modules:
+            _simulate_devices_for_plan(config.mesh)
+        config.validate()
     except ConfigFileError as e:
         print(f"finetune-lora: error: {e}", file=sys.stderr)
         return 2
@@ -42,6 +47,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(summary)
     return 0
+
+
+def _simulate_devices_for_plan(mesh: str) -> None:
+    """Give the CPU backend as many devices as the mesh names, so a plan compiles on a laptop too
+    (accelerators, where present, are used instead)."""
+    sizes = [int(part.partition("=")[2]) for part in mesh.split(",") if "=" in part]
+    count = math.prod(s for s in sizes if s > 0) * (8 if -1 in sizes else 1)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
 if __name__ == "__main__":

@@ -123,6 +123,12 @@ def setup(config: TrainConfig, devices=None):
         opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(lora)
         state = TrainState(jax.device_put(jnp.int32(0), replicated), lora, opt_state,
                            jax.device_put(jax.random.key(config.seed), replicated))
+    if config.show_sharding and jax.process_index() == 0:
+        from finetune.plan import sharding_table
+
+        print("\n".join(sharding_table(base, lora)))
+        for name, var in (("embed_tokens.weight", model.embed_tokens.weight),):
+            jax.debug.visualize_array_sharding(var[...])
     train_fn, eval_fn = build_steps(graphdef, schedule, tx, config.grad_accum)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     base_shardings = jax.tree.map(lambda x: x.sharding, base)

@@ -21,7 +21,7 @@ DEFAULT_RULES: Rules = (
     ("kv_heads", "mp"),
     ("mlp", "mp"),
     ("norm", None),
-    ("lora_rank", None),
+    ("lora_rank", "fsdp"),  # B [r, out]: out is on mp, so r carries the fsdp split
     # activations: the batch over (dp, fsdp), the hidden state whole, heads/mlp/vocab over mp
     ("act_batch", ("dp", "fsdp")),
     ("act_seq", None),

@@ -1,0 +1,41 @@
+"""One process of the 2-process test in test_finetune.py: loss and LoRA gradients of the first global
+batch, computed across processes over loopback (gloo), written by process 0."""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+from finetune.config import TrainConfig  # noqa: E402
+from finetune.data import row_indices  # noqa: E402
+from finetune.step import loss_and_grads  # noqa: E402
+from finetune.train import _global_batch, setup  # noqa: E402
+
+
+def main(model, data, out, port, process_id):
+    config = TrainConfig(model=model, data=data, out=out, mesh="dp=2,fsdp=4,mp=1", steps=1, batch_size=8, seq_len=32,
+                         dtype="float32", progress=False, coordinator=f"127.0.0.1:{port}", num_processes=2,
+                         process_id=int(process_id)).validate()
+    run = setup(config)
+    assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
+    lora = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), run["state"].lora)
+    with jax.set_mesh(run["mesh"]):
+        batch = _global_batch(run["train_rows"], lambda lo, hi: row_indices(len(run["train_rows"]), 0, 0, 8, lo, hi),
+                              run["batch_sharding"], 8)
+        fn = jax.jit(lambda lora, base, batch: loss_and_grads(run["graphdef"], lora, base, batch))
+        loss, tokens, grads = fn(lora, run["base"], batch)
+        gathered = multihost_utils.process_allgather((loss, tokens, grads), tiled=True)
+    if jax.process_index() == 0:
+        from flax import nnx
+
+        flat = {".".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(gathered[2])}
+        np.savez(os.path.join(out, "grads.npz"), loss=np.asarray(gathered[0]), tokens=np.asarray(gathered[1]), **flat)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
