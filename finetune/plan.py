@@ -163,7 +163,7 @@ def _compile(config: TrainConfig, llama: LlamaConfig, mesh, dtype, param_dtype):
         shape = (config.batch_size, config.seq_len)
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32, sharding=batch_sharding)
                  for k in ("input_ids", "targets", "loss_mask", "segment_ids", "positions")}
-        train_fn, _ = build_steps(graphdef, schedule, tx, config.grad_accum)
+        train_fn, _ = build_steps(graphdef, schedule, tx, config.grad_accum, dropout=config.lora_dropout > 0)
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
         step = jax.jit(train_fn, in_shardings=(state_shardings, jax.tree.map(lambda x: x.sharding, base),
                                                batch_sharding),

@@ -43,22 +43,24 @@ def make_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, o
     return optax.chain(*chain, adamw), schedule
 
 
-def loss_sums(model, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+def loss_sums(model, batch: dict[str, jax.Array], dropout_key=None) -> tuple[jax.Array, jax.Array]:
     """(sum of masked next-token cross-entropy, number of target tokens) over a batch."""
-    logits_btv = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+    logits_btv = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                       dropout_key=dropout_key)
     losses_bt = optax.softmax_cross_entropy_with_integer_labels(logits_btv, batch["targets"])
     mask_bt = batch["loss_mask"]
     return jnp.sum(losses_bt * mask_bt), jnp.sum(mask_bt)
 
 
-def loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, batch: dict[str, jax.Array], grad_accum: int = 1):
+def loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, batch: dict[str, jax.Array], grad_accum: int = 1,
+                   dropout_key=None):
     """(mean loss, target tokens, d mean loss / d LoRA) over a global batch, one micro-batch at a time.
 
     Sums of per-token losses and gradients are divided once by the batch's target-token count, so the
     result does not depend on how the batch is split over micro-batches or devices.
     """
-    def micro_loss(lora, micro):
-        return loss_sums(nnx.merge(graphdef, base, lora), micro)
+    def micro_loss(lora, micro, key):
+        return loss_sums(nnx.merge(graphdef, base, lora), micro, key)
 
     # [B, T] -> [accum, B / accum, T]; micro-batch k takes rows k, k + accum, ...: every device's block
     # of rows feeds every micro-batch.
@@ -66,26 +68,33 @@ def loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, batch: dict[str, 
              for k, v in batch.items()}
     grad_of = jax.value_and_grad(micro_loss, has_aux=True)  # d(loss sum)/d(LoRA), token count as aux
 
-    def accumulate(carry, mb):
+    def accumulate(carry, xs):
         grads, loss_sum, tokens = carry
-        (l, n), g = grad_of(lora, mb)
+        mb, key = xs
+        (l, n), g = grad_of(lora, mb, key)
         return (jax.tree.map(jnp.add, grads, g), loss_sum + l, tokens + n), None
 
     zeros = jax.tree.map(jnp.zeros_like, lora)
-    (grads, loss_sum, tokens), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), micro)
+    keys = None if dropout_key is None else jax.random.split(dropout_key, grad_accum)
+    (grads, loss_sum, tokens), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), (micro, keys))
     denom = jnp.maximum(tokens, 1.0)
     return loss_sum / denom, tokens, jax.tree.map(lambda g: g / denom, grads)
 
 
-def build_steps(graphdef, schedule, tx: optax.GradientTransformation, grad_accum: int):
-    """Pure train/eval step functions over (state, frozen base, batch); the caller jits them."""
+def build_steps(graphdef, schedule, tx: optax.GradientTransformation, grad_accum: int, dropout: bool = False):
+    """Pure train/eval step functions over (state, frozen base, batch); the caller jits them.
+
+    With `dropout`, each step draws its LoRA dropout masks from the state's key stream.
+    """
 
     def train_step(state: TrainState, base, batch):
-        loss, tokens, grads = loss_and_grads(graphdef, state.lora, base, batch, grad_accum)
+        rng, step_key = jax.random.split(state.rng)
+        loss, tokens, grads = loss_and_grads(graphdef, state.lora, base, batch, grad_accum,
+                                             step_key if dropout else None)
         updates, opt_state = tx.update(grads, state.opt_state, state.lora)
         lora = optax.apply_updates(state.lora, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step), "tokens": tokens}
-        return TrainState(state.step + 1, lora, opt_state, state.rng), metrics
+        return TrainState(state.step + 1, lora, opt_state, rng), metrics
 
     def eval_step(lora, base, batch):
         return loss_sums(nnx.merge(graphdef, base, lora), batch)

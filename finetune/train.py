@@ -129,7 +129,7 @@ def setup(config: TrainConfig, devices=None):
         print("\n".join(sharding_table(base, lora)))
         for name, var in (("embed_tokens.weight", model.embed_tokens.weight),):
             jax.debug.visualize_array_sharding(var[...])
-    train_fn, eval_fn = build_steps(graphdef, schedule, tx, config.grad_accum)
+    train_fn, eval_fn = build_steps(graphdef, schedule, tx, config.grad_accum, dropout=config.lora_dropout > 0)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     base_shardings = jax.tree.map(lambda x: x.sharding, base)
     batch_sharding = NamedSharding(mesh, PartitionSpec(("dp", "fsdp")))

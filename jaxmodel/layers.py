@@ -54,8 +54,10 @@ class Linear(nnx.Module):
         self.lora_a: LoRAParam | None = nnx.data(None)  # set by jaxmodel.lora.apply_lora
         self.lora_b: LoRAParam | None = nnx.data(None)
         self.lora_scale = 0.0
+        self.lora_dropout = 0.0
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        """`dropout_key` switches on dropout of the LoRA branch's input (training only)."""
         # Tokens are flattened to one axis: the CPU backend's matmuls (and their gradients) run
         # markedly faster on 2-D operands than with batch and sequence kept apart (bench/train.py).
         *lead, in_features = x.shape
@@ -66,7 +68,11 @@ class Linear(nnx.Module):
             y_no = y_no + self.bias[...].astype(self.dtype)
         if self.lora_a is not None:
             # Scale the small [n, r] product, not the [n, out] one: its gradient is then cheap too.
-            xa_nr = (x_ni.astype(jnp.float32) @ self.lora_a[...].astype(jnp.float32)) * self.lora_scale
+            x_lora = x_ni.astype(jnp.float32)
+            if dropout_key is not None and self.lora_dropout > 0:
+                keep = jax.random.bernoulli(dropout_key, 1.0 - self.lora_dropout, x_lora.shape)
+                x_lora = jnp.where(keep, x_lora / (1.0 - self.lora_dropout), 0.0)
+            xa_nr = (x_lora @ self.lora_a[...].astype(jnp.float32)) * self.lora_scale
             y_no = (y_no.astype(jnp.float32) + xa_nr @ self.lora_b[...].astype(jnp.float32)).astype(self.dtype)
         return y_no.reshape(*lead, y_no.shape[-1])
 

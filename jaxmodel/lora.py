@@ -70,4 +70,5 @@ def apply_lora(model: LlamaForCausalLM, config: LoraConfig, *, rngs: nnx.Rngs) -
         linear.lora_b = LoRAParam(jnp.zeros((*lead, config.rank, out_features), jnp.float32),
                                   axes=(*lead_axes, "lora_rank", out_axis))
         linear.lora_scale = config.scale
+        linear.lora_dropout = config.dropout
     return model

@@ -25,6 +25,11 @@ REMAT_POLICIES = {
 }
 
 
+def _split(key, n: int) -> list:
+    """`n` independent keys from `key`, or `n` Nones when there is no key (no dropout)."""
+    return [None] * n if key is None else list(jax.random.split(key, n))
+
+
 class KVCache(NamedTuple):
     """Keys and values of every layer, `[l, b, s, k, h]`, filled up to the decode position."""
 
@@ -43,12 +48,13 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.dtype = dtype
 
-    def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv: tuple | None, cache_index):
+    def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv: tuple | None, cache_index, key=None):
         b, t, _ = x_btd.shape
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
-        q_btnh = apply_rope(self.q_proj(x_btd).reshape(b, t, n, h), cos_bth, sin_bth)
-        k_btkh = apply_rope(self.k_proj(x_btd).reshape(b, t, k, h), cos_bth, sin_bth)
-        v_btkh = self.v_proj(x_btd).reshape(b, t, k, h)
+        keys = _split(key, 4)
+        q_btnh = apply_rope(self.q_proj(x_btd, keys[0]).reshape(b, t, n, h), cos_bth, sin_bth)
+        k_btkh = apply_rope(self.k_proj(x_btd, keys[1]).reshape(b, t, k, h), cos_bth, sin_bth)
+        v_btkh = self.v_proj(x_btd, keys[2]).reshape(b, t, k, h)
         if kv is not None:  # write this step's keys/values into the cache and attend over all of it
             k_btkh = jax.lax.dynamic_update_slice(kv[0], k_btkh.astype(kv[0].dtype), (0, cache_index, 0, 0))
             v_btkh = jax.lax.dynamic_update_slice(kv[1], v_btkh.astype(kv[1].dtype), (0, cache_index, 0, 0))
@@ -60,7 +66,7 @@ class Attention(nnx.Module):
         scores_bkrts = jnp.where(mask_bts[:, None, None], scores_bkrts, jnp.finfo(jnp.float32).min)
         probs_bkrts = jax.nn.softmax(scores_bkrts, axis=-1).astype(self.dtype)
         out_btkrh = jnp.einsum("bkrts,bskh->btkrh", probs_bkrts, v_btkh.astype(self.dtype))
-        return self.o_proj(out_btkrh.reshape(b, t, n * h)), kv
+        return self.o_proj(out_btkrh.reshape(b, t, n * h), keys[3]), kv
 
 
 class MLP(nnx.Module):
@@ -73,8 +79,9 @@ class MLP(nnx.Module):
         self.up_proj = Linear(c.hidden_size, c.intermediate_size, axes=("mlp", "embed"), **kw)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, axes=("embed", "mlp"), **kw)
 
-    def __call__(self, x_btd):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x_btd)) * self.up_proj(x_btd))
+    def __call__(self, x_btd, key=None):
+        keys = _split(key, 3)
+        return self.down_proj(jax.nn.silu(self.gate_proj(x_btd, keys[0])) * self.up_proj(x_btd, keys[1]), keys[2])
 
 
 class DecoderLayer(nnx.Module):
@@ -86,10 +93,12 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, layers=layers, param_dtype=param_dtype)
         self.mlp = MLP(config, **kw)
 
-    def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv, cache_index):
-        attn_btd, kv = self.self_attn(self.input_layernorm(x_btd), cos_bth, sin_bth, mask_bts, kv, cache_index)
+    def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv, cache_index, key=None):
+        attn_key, mlp_key = _split(key, 2)
+        attn_btd, kv = self.self_attn(self.input_layernorm(x_btd), cos_bth, sin_bth, mask_bts, kv, cache_index,
+                                      attn_key)
         h_btd = x_btd + attn_btd
-        return h_btd + self.mlp(self.post_attention_layernorm(h_btd)), kv
+        return h_btd + self.mlp(self.post_attention_layernorm(h_btd), mlp_key), kv
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -115,12 +124,13 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, axes=("vocab", "embed"), dtype=dtype,
                                   param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, input_ids, *, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
+    def __call__(self, input_ids, *, attention_mask=None, positions=None, segment_ids=None,
+                 dropout_key=None) -> jax.Array:
         """float32 logits `[b, t, v]` for int ids `[b, t]`.
 
         `attention_mask` `[b, t]` marks real tokens (padding is 0). `segment_ids` `[b, t]` numbers the
         documents packed into a row (0 = padding): a token attends only within its own document, and
-        `positions` should then restart at each document's start.
+        `positions` should then restart at each document's start. `dropout_key` switches on LoRA dropout.
         """
         b, t = input_ids.shape
         if positions is None:
@@ -132,7 +142,7 @@ class LlamaForCausalLM(nnx.Module):
         if segment_ids is not None:
             same_doc_bts = segment_ids[:, :, None] == segment_ids[:, None, :]
             mask_bts = mask_bts & same_doc_bts & (segment_ids != 0)[:, None, :]
-        logits, _ = self._forward(input_ids, positions, mask_bts, None, 0)
+        logits, _ = self._forward(input_ids, positions, mask_bts, None, 0, dropout_key)
         return logits
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
@@ -152,7 +162,7 @@ class LlamaForCausalLM(nnx.Module):
         mask_bts = causal_ts[None] & key_valid.astype(bool)[:, None, :]
         return self._forward(input_ids, positions, mask_bts, cache, cache_index)
 
-    def _forward(self, input_ids, positions, mask_bts, cache: KVCache | None, cache_index):
+    def _forward(self, input_ids, positions, mask_bts, cache: KVCache | None, cache_index, dropout_key=None):
         c = self.config
         cos_bth, sin_bth = cos_sin(positions, inv_freq(c.rope, c.head_dim), self.dtype)
         h_btd = constrain(self.embed_tokens(input_ids), ("act_batch", "act_seq", "act_embed"), self.rules)
@@ -161,15 +171,16 @@ class LlamaForCausalLM(nnx.Module):
         act = ("act_batch", "act_seq", "act_embed")
 
         def layer_step(h_btd, xs):
-            state, kv = xs
-            h_btd, kv = nnx.merge(graphdef, state)(h_btd, cos_bth, sin_bth, mask_bts, kv, cache_index)
+            state, kv, key = xs
+            h_btd, kv = nnx.merge(graphdef, state)(h_btd, cos_bth, sin_bth, mask_bts, kv, cache_index, key)
             return constrain(h_btd, act, self.rules), kv
 
         policy = REMAT_POLICIES[self.remat]
         if self.remat != "none":
             layer_step = jax.checkpoint(layer_step, policy=policy, prevent_cse=False)
         kv_xs = None if cache is None else (cache.k, cache.v)
-        h_btd, kv_ys = jax.lax.scan(layer_step, h_btd, (layer_state, kv_xs))
+        layer_keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_hidden_layers)
+        h_btd, kv_ys = jax.lax.scan(layer_step, h_btd, (layer_state, kv_xs, layer_keys))
         h_btd = self.norm(h_btd)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         w_vd = head.weight[...].astype(self.dtype)

@@ -66,6 +66,12 @@ def test_only_lora_trains_and_the_loss_falls(tmp_path, tiny_converted, data_file
     assert sum(x.size for x in opt_leaves) <= 2 * sum(v.size for v in lora_before.values()) + 10
 
 
+def test_training_with_lora_dropout(tmp_path, tiny_converted, data_file):
+    summary = train(config(tiny_converted, data_file, tmp_path / "run", steps=12, lr=1e-2, lora_dropout=0.1,
+                           schedule="constant"))
+    assert summary.steps == 12 and summary.last_loss < 0.7 * summary.first_loss
+
+
 def grads_on(tiny_converted, data_file, tmp_path, mesh: str, devices, grad_accum=1):
     run = setup(config(tiny_converted, data_file, tmp_path / "run", mesh=mesh, grad_accum=grad_accum), devices=devices)
     # LoRA B made non-zero so that gradients reach A too
@@ -98,7 +104,8 @@ def test_lora_state_is_sharded_like_its_base_weight(tmp_path, tiny_converted, da
     attn = run["model"].layers.self_attn
     assert attn.q_proj.weight[...].sharding.spec == P(None, "mp", "fsdp")
     assert run["state"].lora["layers"]["self_attn"]["q_proj"]["lora_a"][...].sharding.spec == P(None, "fsdp", None)
-    assert run["state"].lora["layers"]["self_attn"]["q_proj"]["lora_b"][...].sharding.spec == P(None, None, "mp")
+    # B's output axis follows the weight's (mp); its rank axis carries the fsdp split
+    assert run["state"].lora["layers"]["self_attn"]["q_proj"]["lora_b"][...].sharding.spec == P(None, "fsdp", "mp")
     mu = run["state"].opt_state[1][0].mu["layers"]["self_attn"]["q_proj"]["lora_a"][...]
     assert mu.sharding.spec == P(None, "fsdp", None)
 

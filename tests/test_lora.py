@@ -1,0 +1,90 @@
+"""LoRA adapters: PEFT's forward, initialisation, scaling, targets, dropout, dtypes."""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxmodel import LlamaConfig, LlamaForCausalLM
+from jaxmodel.layers import LoRAParam
+from jaxmodel.lora import ALL_TARGETS, LoraConfig, apply_lora, target_linears
+
+CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+IDS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 7)), jnp.int32)
+
+
+def lora_model(**kw) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0))
+    return apply_lora(model, LoraConfig(**kw), rngs=nnx.Rngs(1))
+
+
+def test_fresh_adapters_leave_the_output_unchanged_and_init_like_peft():
+    plain = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0))(IDS)
+    model = lora_model()
+    np.testing.assert_array_equal(model(IDS), plain)  # B = 0
+    a = model.layers.mlp.down_proj.lora_a[...]
+    assert a.shape == (2, 48, 8) and a.dtype == jnp.float32
+    bound = 1 / math.sqrt(48)  # kaiming_uniform(a=sqrt(5)) on torch's [r, in]
+    assert float(jnp.abs(a).max()) <= bound and float(jnp.abs(a).max()) > 0.8 * bound
+    assert {path for path, _ in target_linears(model, ALL_TARGETS)} == {
+        f"layers.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+
+
+@pytest.mark.parametrize("rslora, scale", [(False, 16 / 8), (True, 16 / math.sqrt(8))])
+def test_forward_is_peft_formula(rslora, scale):
+    model = lora_model(rslora=rslora)
+    q = model.layers.self_attn.q_proj
+    q.lora_b.set_value(jax.random.normal(jax.random.key(2), q.lora_b[...].shape))
+    x = jax.random.normal(jax.random.key(3), (3, 5, 32))
+    w, a, b = (np.asarray(v[...][0]) for v in (q.weight, q.lora_a, q.lora_b))
+    expected = np.asarray(x) @ w.T + scale * (np.asarray(x) @ a) @ b
+    graphdef, state = nnx.split(q)  # stacked over layers: run layer 0's slice
+    one_layer = nnx.merge(graphdef, jax.tree.map(lambda v: v[0], state))
+    np.testing.assert_allclose(np.asarray(one_layer(x)), expected, atol=1e-5)
+    assert q.lora_scale == pytest.approx(scale)
+
+
+def test_subset_of_targets_and_lm_head():
+    model = lora_model(targets=("q_proj", "v_proj", "lm_head"))
+    lora = nnx.state(model, LoRAParam)
+    names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(lora)}
+    assert names == {"layers.self_attn.q_proj.lora_a", "layers.self_attn.q_proj.lora_b",
+                     "layers.self_attn.v_proj.lora_a", "layers.self_attn.v_proj.lora_b",
+                     "lm_head.lora_a", "lm_head.lora_b"}
+    tied = LlamaForCausalLM(LlamaConfig(**{**CONFIG.__dict__, "tie_word_embeddings": True}), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="not layers of this model"):
+        apply_lora(tied, LoraConfig(targets=("lm_head",)), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("kw, message", [({"rank": 0}, "rank must be a positive integer"),
+                                         ({"targets": ("qkv",)}, "LoRA targets ['qkv']"),
+                                         ({"dropout": 1.0}, "dropout must be in")])
+def test_bad_lora_configs(kw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LoraConfig(**kw)
+
+
+def test_dropout_touches_only_the_lora_branch_and_only_with_a_key():
+    model = lora_model(dropout=0.5)
+    plain = model(IDS)
+    np.testing.assert_array_equal(model(IDS, dropout_key=jax.random.key(0)), plain)  # B = 0: nothing to drop
+    for linear in (m for _, m in target_linears(model, ALL_TARGETS)):
+        linear.lora_b.set_value(0.1 * jnp.ones_like(linear.lora_b[...]))
+    no_key = model(IDS)
+    a, b = model(IDS, dropout_key=jax.random.key(0)), model(IDS, dropout_key=jax.random.key(1))
+    assert not np.allclose(a, no_key) and not np.allclose(a, b)
+    np.testing.assert_array_equal(a, model(IDS, dropout_key=jax.random.key(0)))
+
+
+def test_lora_stays_float32_on_a_bf16_base():
+    model = LlamaForCausalLM(CONFIG, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    apply_lora(model, LoraConfig(), rngs=nnx.Rngs(1))
+    assert model.layers.self_attn.q_proj.weight[...].dtype == jnp.bfloat16
+    assert model.layers.self_attn.q_proj.lora_a[...].dtype == jnp.float32
+    assert model(IDS).dtype == jnp.float32
