@@ -15,13 +15,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from finetune.config import ConfigFileError, TrainConfig
 from finetune.mesh import make_mesh
-from finetune.step import TrainState, build_steps, make_optimizer, split_model
+from finetune.step import TrainState, build_steps, make_optimizer, optimizer_shardings, split_model
+from finetune.train import check_batch_split
 from jaxmodel.config import LlamaConfig
 from jaxmodel.lora import apply_lora
 from jaxmodel.model import LlamaForCausalLM
@@ -109,10 +109,7 @@ def plan(config: TrainConfig) -> PlanReport:
         raise ConfigFileError(f"--seq-len {config.seq_len} exceeds the model's max_position_embeddings "
                               f"({llama.max_position_embeddings})")
     mesh = make_mesh(config.mesh)
-    batch_ways = mesh.shape["dp"] * mesh.shape["fsdp"]
-    if (config.batch_size // config.grad_accum) % batch_ways:
-        raise ConfigFileError(f"--batch-size {config.batch_size} / --grad-accum {config.grad_accum} must be a multiple "
-                              f"of dp x fsdp = {batch_ways}")
+    check_batch_split(config, mesh)
     dtype, param_dtype = DTYPES[config.dtype], _param_dtype(config, raw)
     start = time.perf_counter()
     compiled, trees = _compile(config, llama, mesh, dtype, param_dtype)
@@ -151,11 +148,8 @@ def _compile(config: TrainConfig, llama: LlamaConfig, mesh, dtype, param_dtype):
         lora, base = _abstract_on(lora, mesh, DEFAULT_RULES), _abstract_on(base, mesh, DEFAULT_RULES)
         tx, schedule = make_optimizer(config)
         replicated = NamedSharding(mesh, PartitionSpec())
-        opt_abstract = jax.eval_shape(tx.init, lora)
-        opt_shardings = optax.tree_map_params(tx, lambda _, s: s, opt_abstract, jax.tree.map(lambda x: x.sharding, lora),
-                                              transform_non_params=lambda _: replicated)
         opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                 opt_abstract, opt_shardings)
+                                 jax.eval_shape(tx.init, lora), optimizer_shardings(tx, lora, replicated))
         key = jax.eval_shape(lambda: jax.random.key(0))
         state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), lora, opt_state,
                            jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated))

@@ -102,6 +102,13 @@ def build_steps(graphdef, schedule, tx: optax.GradientTransformation, grad_accum
     return train_step, eval_step
 
 
+def optimizer_shardings(tx: optax.GradientTransformation, lora, replicated):
+    """Shardings of `tx`'s state for `lora` (arrays or ShapeDtypeStructs with shardings): every moment
+    takes its parameter's sharding, counters and scalars are replicated."""
+    return optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, lora),
+                                 jax.tree.map(lambda x: x.sharding, lora), transform_non_params=lambda _: replicated)
+
+
 def split_model(model) -> tuple[Any, nnx.State, nnx.State]:
     """(graphdef, LoRA state, frozen rest): what is trainable is exactly the LoRAParam variables."""
     return nnx.split(model, LoRAParam, ...)

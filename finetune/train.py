@@ -11,7 +11,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -20,7 +19,7 @@ from finetune.config import ConfigFileError, TrainConfig
 from finetune.data import DataError, Rows, build_rows, read_rows, row_indices, tokenize
 from finetune.mesh import initialize_distributed, make_mesh
 from finetune.metrics import MetricsWriter, flops_per_token, measure_peak_flops
-from finetune.step import TrainState, build_steps, make_optimizer, split_model
+from finetune.step import TrainState, build_steps, make_optimizer, optimizer_shardings, split_model
 from jaxmodel.checkpoint import load_pretrained, read_manifest
 from jaxmodel.config import LlamaConfig
 from jaxmodel.lora import apply_lora
@@ -86,15 +85,20 @@ def _place(tree, mesh, rules):
     return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def check_batch_split(config: TrainConfig, mesh) -> None:
+    """Each device holds whole rows of every micro-batch."""
+    batch_ways = mesh.shape["dp"] * mesh.shape["fsdp"]
+    if (config.batch_size // config.grad_accum) % batch_ways:
+        raise ConfigFileError(f"--batch-size {config.batch_size} / --grad-accum {config.grad_accum} must be a multiple "
+                              f"of dp x fsdp = {batch_ways} (each device holds whole rows)")
+
+
 def setup(config: TrainConfig, devices=None):
     """Everything a run needs before its first step: mesh (over `devices`, default all), model with LoRA,
     data, optimizer, jitted steps."""
     initialize_distributed(config.coordinator, config.num_processes, config.process_id)
     mesh = make_mesh(config.mesh, devices)
-    batch_ways = mesh.shape["dp"] * mesh.shape["fsdp"]
-    if config.batch_size % batch_ways or (config.batch_size // config.grad_accum) % batch_ways:
-        raise ConfigFileError(f"--batch-size {config.batch_size} / --grad-accum {config.grad_accum} must be a multiple "
-                              f"of dp x fsdp = {batch_ways} (each device holds whole rows)")
+    check_batch_split(config, mesh)
     model_dir = Path(config.model)
     read_manifest(model_dir)  # a clear error for a directory that is not a converted checkpoint
     llama = LlamaConfig.from_hf(model_dir)
@@ -116,11 +120,7 @@ def setup(config: TrainConfig, devices=None):
         lora = _place(lora, mesh, model.rules)
         tx, schedule = make_optimizer(config)
         replicated = NamedSharding(mesh, PartitionSpec())
-        # Adam's moments take their parameter's sharding; counters are replicated.
-        opt_shardings = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, lora),
-                                              jax.tree.map(lambda x: x.sharding, lora),
-                                              transform_non_params=lambda _: replicated)
-        opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(lora)
+        opt_state = jax.jit(tx.init, out_shardings=optimizer_shardings(tx, lora, replicated))(lora)
         state = TrainState(jax.device_put(jnp.int32(0), replicated), lora, opt_state,
                            jax.device_put(jax.random.key(config.seed), replicated))
     if config.show_sharding and jax.process_index() == 0:

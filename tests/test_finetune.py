@@ -66,6 +66,20 @@ def test_only_lora_trains_and_the_loss_falls(tmp_path, tiny_converted, data_file
     assert sum(x.size for x in opt_leaves) <= 2 * sum(v.size for v in lora_before.values()) + 10
 
 
+def test_metrics_eval_loss_and_tensorboard(tmp_path, tiny_converted, data_file):
+    out = tmp_path / "run"
+    summary = train(config(tiny_converted, data_file, out, steps=4, eval_fraction=0.25, eval_every=2))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= r.keys()
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+    assert [("eval_loss" in r) for r in records] == [False, True, False, True]
+    assert records[3]["eval_loss"] < records[1]["eval_loss"] + 1.0 and records[3]["eval_loss"] > 0
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert str(summary).startswith("trained 4 steps, loss ")
+
+
 def test_training_with_lora_dropout(tmp_path, tiny_converted, data_file):
     summary = train(config(tiny_converted, data_file, tmp_path / "run", steps=12, lr=1e-2, lora_dropout=0.1,
                            schedule="constant"))

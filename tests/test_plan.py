@@ -3,7 +3,6 @@
 import json
 from pathlib import Path
 
-import pytest
 
 from finetune.cli import main
 from finetune.config import TrainConfig
