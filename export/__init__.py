@@ -1,1 +1,5 @@
-"""PEFT adapter export, merged HF checkpoints and PEFT import. Not built yet: see the issues."""
+"""PEFT adapter export and import (merged HF checkpoints: next)."""
+
+from export.peft import AdapterError, load_peft_adapter, peft_tensors, save_peft_adapter
+
+__all__ = ["AdapterError", "load_peft_adapter", "peft_tensors", "save_peft_adapter"]

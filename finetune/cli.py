@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     from jaxmodel.checkpoint import CheckpointError
     from jaxmodel.config import ConfigError
 
-    user_errors = (ConfigFileError, DataError, MeshError, CheckpointError, ConfigError, TrainingError)
+    from export.peft import AdapterError
+
+    user_errors = (ConfigFileError, DataError, MeshError, CheckpointError, ConfigError, TrainingError, AdapterError)
     try:
         if config.plan:
             from finetune.plan import plan

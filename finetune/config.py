@@ -41,6 +41,8 @@ class TrainConfig:
                           "comma-separated HF module names to adapt (lm_head is possible, never default)")
     rslora: bool = option(False, "rank-stabilised LoRA scaling alpha / sqrt(r)")
     lora_dropout: float = option(0.0, "dropout on the LoRA branch's input, as PEFT's lora_dropout")
+    init_adapter: str | None = option(None, "start from this PEFT LoRA adapter directory; its r, alpha, rsLoRA and "
+                                            "targets replace --rank/--alpha/--rslora/--targets")
     # optimisation
     steps: int = option(100, "optimizer steps")
     batch_size: int = option(8, "global batch size in sequences per optimizer step (across all devices)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import signal
 import time
@@ -26,6 +27,7 @@ from jaxmodel.lora import apply_lora
 from jaxmodel.sharding import named_sharding
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+RUN_CONFIG = "run_config.json"
 
 
 class TrainingError(RuntimeError):
@@ -110,12 +112,23 @@ def setup(config: TrainConfig, devices=None):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_rows, eval_rows = load_data(config, tokenizer)
 
+    if config.init_adapter:
+        from export.peft import read_adapter
+
+        adapter = read_adapter(config.init_adapter)[0]
+        config = dataclasses.replace(config, rank=adapter.rank, alpha=adapter.alpha, rslora=adapter.rslora,
+                                     targets=",".join(sorted(adapter.targets)))
     lora_config = config.lora_config()
     param_dtype = None if config.param_dtype == "keep" else DTYPES[config.param_dtype]
     with jax.set_mesh(mesh):
         model = load_pretrained(model_dir, mesh=mesh, dtype=DTYPES[config.dtype], param_dtype=param_dtype,
                                 remat=config.remat)
-        apply_lora(model, lora_config, rngs=nnx.Rngs(config.seed))
+        if config.init_adapter:
+            from export.peft import load_peft_adapter
+
+            load_peft_adapter(model, config.init_adapter)
+        else:
+            apply_lora(model, lora_config, rngs=nnx.Rngs(config.seed))
         graphdef, lora, base = split_model(model)
         lora = _place(lora, mesh, model.rules)
         tx, schedule = make_optimizer(config)
@@ -137,16 +150,19 @@ def setup(config: TrainConfig, devices=None):
                          out_shardings=(state_shardings, replicated), donate_argnums=0)
     eval_step = jax.jit(eval_fn, in_shardings=(state_shardings.lora, base_shardings, batch_sharding),
                         out_shardings=replicated)
-    return dict(mesh=mesh, llama=llama, model=model, graphdef=graphdef, base=base, state=state, tx=tx,
+    return dict(config=config, mesh=mesh, llama=llama, model=model, graphdef=graphdef, base=base, state=state, tx=tx,
                 train_step=train_step, eval_step=eval_step, train_rows=train_rows, eval_rows=eval_rows,
                 batch_sharding=batch_sharding, tokenizer=tokenizer)
 
 
 def train(config: TrainConfig) -> RunSummary:
     run = setup(config)
+    config = run["config"]  # with an --init-adapter's LoRA shape
     mesh, state, base = run["mesh"], run["state"], run["base"]
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:  # what export-peft needs to rebuild the model and read the checkpoints
+        (out / RUN_CONFIG).write_text(json.dumps(dataclasses.asdict(config), indent=1) + "\n")
     checkpoints = RunCheckpoints(out / "checkpoints", config.keep_checkpoints)
     position = 0  # global batches consumed
     if config.resume and checkpoints.latest_step() is not None:

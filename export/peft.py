@@ -1,0 +1,184 @@
+"""PEFT LoRA adapters on disk: write ours for `PeftModel.from_pretrained`, and read PEFT's into the JAX model.
+
+Key names come from the converter's name table (`converter.names.hf_module`): `base_model.model.` + the
+HF module + `.lora_A.weight` / `.lora_B.weight`. PEFT stores `lora_A: [r, in]` and `lora_B: [out, r]`;
+the JAX model keeps `A: [in, r]`, `B: [r, out]`, so each is transposed (they are small).
+PEFT loads adapters with `strict=False`, silently skipping unknown keys: the tests compare outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+from flax import nnx
+
+from converter.names import hf_module
+from jaxmodel.lora import LoraConfig, apply_lora, target_linears
+from jaxmodel.safetensors_file import DTYPES
+
+PREFIX = "base_model.model."
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+# The adapter_config.json field set of the PEFT release these files were checked against (reference.md).
+PEFT_VERSION = "0.21.2"
+EXPORT_DTYPES = {"float32": DTYPES["F32"], "bfloat16": DTYPES["BF16"], "float16": DTYPES["F16"]}
+
+
+class AdapterError(ValueError):
+    """An adapter or run this toolkit cannot use; the message names the file/field and what was expected."""
+
+
+def peft_tensors(lora: nnx.State, dtype=np.float32) -> dict[str, np.ndarray]:
+    """PEFT's state dict for a LoRA state: one `[r, in]` A and `[out, r]` B per adapted module and layer."""
+    tensors: dict[str, np.ndarray] = {}
+    flat = {".".join(map(str, path)): np.asarray(var[...]) for path, var in nnx.to_flat_state(lora)}
+    for path, a in flat.items():
+        if not path.endswith(".lora_a"):
+            continue
+        module = path[: -len(".lora_a")]
+        b = flat[module + ".lora_b"]
+        layers = [(i, a[i], b[i]) for i in range(a.shape[0])] if a.ndim == 3 else [(None, a, b)]
+        for layer, a_ir, b_ro in layers:
+            name = PREFIX + hf_module(module, layer)
+            tensors[name + ".lora_A.weight"] = np.ascontiguousarray(a_ir.T).astype(dtype)
+            tensors[name + ".lora_B.weight"] = np.ascontiguousarray(b_ro.T).astype(dtype)
+    return tensors
+
+
+def adapter_config(lora_config: LoraConfig, base_model: str) -> dict[str, Any]:
+    """adapter_config.json as PEFT writes it for a LoRA on a causal LM (sorted keys, every field)."""
+    return {
+        "alora_invocation_tokens": None, "alpha_pattern": {}, "arrow_config": None, "auto_mapping": None,
+        "base_model_name_or_path": base_model, "bias": "none", "corda_config": None, "ensure_weight_tying": False,
+        "eva_config": None, "exclude_modules": None, "fan_in_fan_out": False, "inference_mode": True,
+        "init_lora_weights": True, "kasa_config": None, "layer_replication": None, "layers_pattern": None,
+        "layers_to_transform": None, "loftq_config": {}, "lora_alpha": lora_config.alpha, "lora_bias": False,
+        "lora_dropout": lora_config.dropout, "lora_ga_config": None, "megatron_config": None,
+        "megatron_core": "megatron.core", "modules_to_save": None, "monteclora_config": None, "peft_type": "LORA",
+        "peft_version": PEFT_VERSION, "qalora_group_size": 16, "r": lora_config.rank, "rank_pattern": {},
+        "revision": None, "target_modules": sorted(lora_config.targets), "target_parameters": None,
+        "task_type": "CAUSAL_LM", "trainable_token_indices": None, "use_bdlora": None, "use_dora": False,
+        "use_qalora": False, "use_rslora": lora_config.rslora, "velora_config": None,
+    }
+
+
+def save_peft_adapter(out: str | Path, lora: nnx.State, lora_config: LoraConfig, *, base_model: str,
+                      dtype: str = "float32", card: Mapping[str, Any] | None = None) -> Path:
+    """Write `adapter_model.safetensors`, `adapter_config.json` and a README.md model card into `out`,
+    atomically (a temporary directory renamed into place)."""
+    from safetensors.numpy import save_file
+
+    if dtype not in EXPORT_DTYPES:
+        raise AdapterError(f"--dtype {dtype!r}: expected one of {', '.join(EXPORT_DTYPES)}")
+    tensors = peft_tensors(lora, EXPORT_DTYPES[dtype])
+    if not tensors:
+        raise AdapterError("no LoRA parameters to export")
+    out = Path(out)
+    tmp = out.parent / f".{out.name}.exporting-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(lora_config, base_model), indent=2,
+                                                     sort_keys=True) + "\n")
+        (tmp / "README.md").write_text(model_card(lora_config, base_model, card or {}))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def model_card(lora_config: LoraConfig, base_model: str, details: Mapping[str, Any]) -> str:
+    lines = [
+        "---", f"base_model: {base_model}", "library_name: peft", "tags:", "- lora", "- llama-jax", "---", "",
+        f"# LoRA adapter for {base_model}", "",
+        "Trained with llama-jax (JAX, LoRA) and exported in PEFT's format:", "",
+        "```python",
+        "from peft import PeftModel",
+        "from transformers import AutoModelForCausalLM",
+        f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base_model}"), "ADAPTER_DIR")',
+        "```", "",
+        "| setting | value |", "|---|---|",
+        f"| rank r | {lora_config.rank} |", f"| alpha | {lora_config.alpha:g} |",
+        f"| scaling | {'alpha / sqrt(r) (rsLoRA)' if lora_config.rslora else 'alpha / r'} = {lora_config.scale:g} |",
+        f"| target modules | {', '.join(sorted(lora_config.targets))} |",
+        f"| dropout | {lora_config.dropout:g} |",
+    ]
+    lines += [f"| {key} | {value} |" for key, value in details.items()]
+    return "\n".join(lines) + "\n"
+
+
+def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, np.ndarray]]:
+    """The LoraConfig and tensors of a PEFT LoRA adapter directory, refusing variants we cannot run."""
+    from safetensors.numpy import load_file
+
+    adapter_dir = Path(adapter_dir)
+    config_path = adapter_dir / ADAPTER_CONFIG
+    try:
+        raw = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise AdapterError(f"{config_path}: not found (expected a PEFT adapter directory)") from None
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"{config_path}: not valid JSON ({e.msg})") from None
+    if raw.get("peft_type") != "LORA":
+        raise AdapterError(f"{config_path}: field 'peft_type' is {raw.get('peft_type')!r}; only 'LORA' is supported")
+    # PEFT variants this port does not run: each field must keep its plain-LoRA value.
+    plain = {"use_dora": (False,), "modules_to_save": (None, []), "rank_pattern": ({}, None),
+             "alpha_pattern": ({}, None), "layers_to_transform": (None,), "bias": ("none",),
+             "fan_in_fan_out": (False,), "lora_bias": (False,), "use_qalora": (False,)}
+    for field, allowed in plain.items():
+        if raw.get(field, allowed[0]) not in allowed:
+            raise AdapterError(f"{config_path}: field '{field}' is {raw[field]!r}; not supported "
+                               f"(expected {allowed[0]!r})")
+    targets = raw.get("target_modules")
+    if isinstance(targets, str):
+        raise AdapterError(f"{config_path}: field 'target_modules' is a regex; an explicit list is supported")
+    try:
+        lora_config = LoraConfig(rank=int(raw["r"]), alpha=float(raw["lora_alpha"]), targets=tuple(targets),
+                                 rslora=bool(raw.get("use_rslora", False)), dropout=float(raw.get("lora_dropout", 0.0)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise AdapterError(f"{config_path}: {e}") from None
+    weights = adapter_dir / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise AdapterError(f"{weights}: not found")
+    return lora_config, load_file(str(weights))
+
+
+def load_peft_adapter(model, adapter_dir: str | Path):
+    """Attach a PEFT LoRA adapter to `model` (in place): rank, alpha, rsLoRA and targets from its config."""
+    lora_config, tensors = read_adapter(adapter_dir)
+    apply_lora(model, lora_config, rngs=nnx.Rngs(0))
+    where = Path(adapter_dir) / ADAPTER_WEIGHTS
+    used = set()
+    for path, linear in target_linears(model, lora_config.targets):
+        a = linear.lora_a[...]
+        layers = range(a.shape[0]) if a.ndim == 3 else [None]
+        values_a, values_b = [], []
+        for layer in layers:
+            name = PREFIX + hf_module(path, layer)
+            try:
+                a_ri, b_or = tensors[name + ".lora_A.weight"], tensors[name + ".lora_B.weight"]
+            except KeyError:
+                raise AdapterError(f"{where}: no '{name}.lora_A/B.weight', which adapter_config.json implies") from None
+            want_a, want_b = a.shape[-2:][::-1], linear.lora_b[...].shape[-2:][::-1]
+            if a_ri.shape != want_a or b_or.shape != want_b:
+                raise AdapterError(f"{where}: '{name}' has lora_A {list(a_ri.shape)} / lora_B {list(b_or.shape)}, "
+                                   f"this model needs {list(want_a)} / {list(want_b)} (adapter for another model?)")
+            values_a.append(a_ri.T.astype(np.float32))
+            values_b.append(b_or.T.astype(np.float32))
+            used.update((name + ".lora_A.weight", name + ".lora_B.weight"))
+        stack = (lambda v: np.stack(v)) if a.ndim == 3 else (lambda v: v[0])
+        linear.lora_a.set_value(stack(values_a))
+        linear.lora_b.set_value(stack(values_b))
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise AdapterError(f"{where}: tensor '{unused[0]}' does not belong to this model's adapted layers")
+    return model
+

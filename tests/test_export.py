@@ -1,0 +1,197 @@
+"""PEFT export and import against real peft + transformers: same keys, same outputs, round trips."""
+
+import json
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model
+from safetensors.numpy import load_file
+from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+
+from converter import convert
+from converter.tiny import build_tiny_llama
+from export.cli import main as export_main
+from export.peft import AdapterError, load_peft_adapter, save_peft_adapter
+from finetune.config import TrainConfig
+from finetune.train import train
+from jaxmodel.checkpoint import load_pretrained
+from jaxmodel.layers import LoRAParam
+from jaxmodel.lora import ALL_TARGETS, LoraConfig, apply_lora
+
+IDS = np.random.default_rng(5).integers(6, 512, (2, 19))
+
+
+def jax_lora_model(jax_dir, lora_config: LoraConfig, seed=1):
+    """The converted model with adapters whose B is non-zero, so they move the output."""
+    model = load_pretrained(jax_dir)
+    apply_lora(model, lora_config, rngs=nnx.Rngs(seed))
+    for path, var in nnx.to_flat_state(nnx.state(model, LoRAParam)):
+        if path[-1] == "lora_b":
+            var.set_value(0.05 * jax.random.normal(jax.random.key(len(path)), var[...].shape))
+    return model
+
+
+def peft_logits(hf_dir, adapter_dir) -> tuple[np.ndarray, np.ndarray, list]:
+    base = HFLlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = base(torch.tensor(IDS)).logits.numpy()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    messages = [str(w.message) for w in caught if "is_gradient_checkpointing" not in str(w.message)]
+    with torch.no_grad():
+        adapted = model(torch.tensor(IDS)).logits.numpy()
+    return adapted, plain, messages
+
+
+@pytest.mark.parametrize("lora_kw", [{}, {"rslora": True, "alpha": 8.0, "rank": 4},
+                                     {"targets": ("q_proj", "v_proj", "down_proj")}])
+def test_peft_serves_our_adapter_with_identical_outputs(tmp_path, tiny_checkpoint, tiny_converted, lora_kw):
+    lora_config = LoraConfig(**lora_kw)
+    model = jax_lora_model(tiny_converted, lora_config)
+    adapter = save_peft_adapter(tmp_path / "adapter", nnx.state(model, LoRAParam), lora_config,
+                                base_model=str(tiny_checkpoint))
+    ours = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
+    theirs, plain, messages = peft_logits(tiny_checkpoint, adapter)
+    assert not any("missing" in m.lower() for m in messages), messages
+    assert np.abs(theirs - plain).max() > 1e-3  # the adapter really moves the output
+    assert np.abs(ours - theirs).max() <= 1e-5 * max(1.0, np.abs(theirs).max())
+
+
+def test_keys_and_shapes_equal_what_peft_saves(tmp_path, tiny_checkpoint, tiny_converted):
+    lora_config = LoraConfig(rank=8, alpha=16.0)
+    model = jax_lora_model(tiny_converted, lora_config)
+    save_peft_adapter(tmp_path / "ours", nnx.state(model, LoRAParam), lora_config, base_model="x")
+    hf = HFLlamaForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    get_peft_model(hf, PeftLoraConfig(r=8, lora_alpha=16, target_modules=list(ALL_TARGETS),
+                                      task_type="CAUSAL_LM")).save_pretrained(tmp_path / "theirs")
+    ours, theirs = load_file(tmp_path / "ours" / "adapter_model.safetensors"), \
+        load_file(tmp_path / "theirs" / "adapter_model.safetensors")
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
+    assert {v.dtype for v in ours.values()} == {np.dtype(np.float32)}
+    our_config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    their_config = json.loads((tmp_path / "theirs" / "adapter_config.json").read_text())
+    assert set(our_config) == set(their_config)
+    for field in ("peft_type", "task_type", "r", "lora_alpha", "use_rslora", "bias", "use_dora", "fan_in_fan_out"):
+        assert our_config[field] == their_config[field], field
+    assert sorted(our_config["target_modules"]) == sorted(their_config["target_modules"])
+    assert "base_model: x" in (tmp_path / "ours" / "README.md").read_text()
+
+
+def test_tied_embeddings_and_bf16_export(tmp_path):
+    hf_dir = build_tiny_llama(tmp_path / "hf", {"tie_word_embeddings": True}, tokenizer=False)
+    convert(hf_dir, tmp_path / "jax", progress=False)
+    lora_config = LoraConfig()
+    model = jax_lora_model(tmp_path / "jax", lora_config)
+    ours = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
+    f32 = save_peft_adapter(tmp_path / "f32", nnx.state(model, LoRAParam), lora_config, base_model=str(hf_dir))
+    theirs, _, _ = peft_logits(hf_dir, f32)
+    assert np.abs(ours - theirs).max() <= 1e-5 * max(1.0, np.abs(theirs).max())
+    bf16 = save_peft_adapter(tmp_path / "bf16", nnx.state(model, LoRAParam), lora_config, base_model=str(hf_dir),
+                             dtype="bfloat16")
+    assert {str(v.dtype) for v in load_file(bf16 / "adapter_model.safetensors").values()} == {"bfloat16"}
+    theirs_bf16, _, _ = peft_logits(hf_dir, bf16)
+    assert np.abs(theirs_bf16 - theirs).max() < 0.05 * np.abs(theirs).max()  # adapter rounded to bf16
+
+
+def test_round_trip_peft_to_jax_to_peft_is_exact(tmp_path, tiny_checkpoint, tiny_converted):
+    hf = HFLlamaForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    config = PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "up_proj"], use_rslora=True,
+                            init_lora_weights=False, task_type="CAUSAL_LM")  # random, non-zero B
+    get_peft_model(hf, config).save_pretrained(tmp_path / "peft")
+    model = load_peft_adapter(load_pretrained(tiny_converted), tmp_path / "peft")
+    lora_config = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "k_proj", "up_proj"), rslora=True)
+    save_peft_adapter(tmp_path / "again", nnx.state(model, LoRAParam), lora_config, base_model="x")
+    first, again = load_file(tmp_path / "peft" / "adapter_model.safetensors"), \
+        load_file(tmp_path / "again" / "adapter_model.safetensors")
+    assert first.keys() == again.keys()
+    for name in first:
+        np.testing.assert_array_equal(again[name], first[name], err_msg=name)
+    theirs, _, _ = peft_logits(tiny_checkpoint, tmp_path / "peft")
+    ours = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
+    assert np.abs(ours - theirs).max() <= 1e-5 * max(1.0, np.abs(theirs).max())
+
+
+def test_unsupported_or_mismatched_adapters_are_clear_errors(tmp_path, tiny_checkpoint, tiny_converted):
+    hf = HFLlamaForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    get_peft_model(hf, PeftLoraConfig(r=4, target_modules=["q_proj"], use_dora=True)).save_pretrained(tmp_path / "dora")
+    with pytest.raises(AdapterError, match="field 'use_dora' is True; not supported"):
+        load_peft_adapter(load_pretrained(tiny_converted), tmp_path / "dora")
+    other = build_tiny_llama(tmp_path / "other", {"hidden_size": 32, "head_dim": 8}, tokenizer=False)
+    hf_other = HFLlamaForCausalLM.from_pretrained(other, dtype=torch.float32)
+    get_peft_model(hf_other, PeftLoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "small")
+    with pytest.raises(AdapterError, match=r"has lora_A \[4, 32\].*this model needs \[4, 64\].*another model"):
+        load_peft_adapter(load_pretrained(tiny_converted), tmp_path / "small")
+    config = json.loads((tmp_path / "small" / "adapter_config.json").read_text())
+    config["peft_type"] = "IA3"
+    (tmp_path / "small" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(AdapterError, match="field 'peft_type' is 'IA3'; only 'LORA'"):
+        load_peft_adapter(load_pretrained(tiny_converted), tmp_path / "small")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_converted, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "run"
+    data = out.parent / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"add {i} + {i} =", "completion": f" {2 * i}"}) + "\n"
+                            for i in range(32)))
+    train(TrainConfig(model=str(tiny_converted), data=str(data), out=str(out), steps=4, batch_size=8, seq_len=32,
+                      dtype="float32", lr=1e-2, progress=False, checkpoint_every=2).validate())
+    return out
+
+
+def test_export_peft_cli_from_a_run(tmp_path, run_dir, tiny_checkpoint, tiny_converted, capsys):
+    assert export_main(["--run", str(run_dir), "--out", str(tmp_path / "adapter"), "--base-model",
+                        str(tiny_checkpoint)]) == 0
+    assert "exported the LoRA adapters of step 4" in capsys.readouterr().out
+    model = load_peft_adapter(load_pretrained(tiny_converted), tmp_path / "adapter")
+    theirs, plain, _ = peft_logits(tiny_checkpoint, tmp_path / "adapter")
+    assert np.abs(theirs - plain).max() > 1e-3
+    ours = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
+    assert np.abs(ours - theirs).max() <= 1e-5 * max(1.0, np.abs(theirs).max())
+    assert export_main(["--run", str(run_dir), "--step", "2", "--out", str(tmp_path / "step2")]) == 0
+
+
+@pytest.mark.parametrize("make_args, message", [
+    (lambda run, tmp: ["--run", str(run), "--step", "3"], "no checkpoint for step 3 (have: 2, 4)"),
+    (lambda run, tmp: ["--run", str(tmp)], "not a finetune-lora run directory"),
+])
+def test_export_peft_bad_input(tmp_path, run_dir, capsys, make_args, message):
+    code = export_main(make_args(run_dir, tmp_path) + ["--out", str(tmp_path / "adapter")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_run_without_checkpoints_is_a_clear_error(tmp_path, run_dir, capsys):
+    import shutil
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(run_dir / "run_config.json", broken / "run_config.json")
+    assert export_main(["--run", str(broken), "--out", str(tmp_path / "adapter")]) == 1
+    assert "no LoRA checkpoints" in capsys.readouterr().err
+
+
+def test_finetune_can_start_from_a_peft_adapter(tmp_path, run_dir, tiny_checkpoint, tiny_converted):
+    hf = HFLlamaForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    get_peft_model(hf, PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                                      task_type="CAUSAL_LM")).save_pretrained(tmp_path / "peft")
+    out = tmp_path / "run"
+    train(TrainConfig(model=str(tiny_converted), data=str(run_dir.parent / "train.jsonl"), out=str(out), steps=1,
+                      batch_size=8, seq_len=32, dtype="float32", lr=1e-9, progress=False,
+                      init_adapter=str(tmp_path / "peft")).validate())
+    recorded = json.loads((out / "run_config.json").read_text())
+    assert (recorded["rank"], recorded["alpha"], recorded["targets"]) == (4, 8.0, "q_proj,v_proj")
+    assert export_main(["--run", str(out), "--out", str(tmp_path / "again")]) == 0
+    first = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    again = load_file(tmp_path / "again" / "adapter_model.safetensors")
+    assert first.keys() == again.keys()
+    for name in first:  # one step at lr 1e-9 barely moves them
+        np.testing.assert_allclose(again[name], first[name], atol=1e-6, err_msg=name)
