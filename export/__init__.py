@@ -1,4 +1,4 @@
-"""PEFT adapter export and import (merged HF checkpoints: next)."""
+"""PEFT adapter export and import, and merged HF checkpoints."""
 
 from export.peft import AdapterError, load_peft_adapter, peft_tensors, save_peft_adapter
 

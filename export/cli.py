@@ -14,7 +14,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "loadable with peft.PeftModel.from_pretrained.")
     parser.add_argument("--run", required=True, help="finetune-lora run directory (its --out)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: the newest)")
-    parser.add_argument("--out", required=True, help="adapter directory to write")
+    parser.add_argument("--out", default=None, help="adapter directory to write")
+    parser.add_argument("--merge", metavar="OUT_DIR", default=None,
+                        help="also (or instead) write the base with the adapters folded in, as a HF checkpoint")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard of --merge")
     parser.add_argument("--dtype", default="float32", choices=list(EXPORT_DTYPES),
                         help="dtype of the adapter tensors (PEFT itself saves float32)")
     parser.add_argument("--base-model", default=None,
@@ -23,21 +26,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not (args.out or args.merge):
+        parser.error("give --out ADAPTER_DIR, --merge OUT_DIR, or both")
+    from export.merge import parse_size, save_merged
     from export.peft import AdapterError, save_peft_adapter
     from export.run import load_run
     from jaxmodel.checkpoint import CheckpointError
     from jaxmodel.config import ConfigError
 
     try:
+        shard_size = parse_size(args.max_shard_size)
         lora, config, step = load_run(args.run, args.step)
-        out = save_peft_adapter(args.out, lora, config.lora_config(), base_model=args.base_model or config.model,
-                                dtype=args.dtype, card={"training steps": step, "learning rate": config.lr,
-                                                        "sequence length": config.seq_len})
+        if args.out:
+            out = save_peft_adapter(args.out, lora, config.lora_config(), base_model=args.base_model or config.model,
+                                    dtype=args.dtype, card={"training steps": step, "learning rate": config.lr,
+                                                            "sequence length": config.seq_len})
+            print(f"exported the LoRA adapters of step {step} (r={config.rank}, alpha={config.alpha:g}) -> {out}")
+        if args.merge:
+            merged = save_merged(args.merge, config.model, lora, config.lora_config(), max_shard_size=shard_size)
+            print(f"merged the LoRA adapters of step {step} into {config.model} -> {merged}")
     except (AdapterError, CheckpointError, ConfigError) as e:
         print(f"export-peft: error: {e}", file=sys.stderr)
         return 1
-    print(f"exported the LoRA adapters of step {step} (r={config.rank}, alpha={config.alpha:g}) -> {out}")
     return 0
 
 

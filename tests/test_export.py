@@ -195,3 +195,32 @@ def test_finetune_can_start_from_a_peft_adapter(tmp_path, run_dir, tiny_checkpoi
     assert first.keys() == again.keys()
     for name in first:  # one step at lr 1e-9 barely moves them
         np.testing.assert_allclose(again[name], first[name], atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("shard_size", ["5GB", "100KB"])
+def test_merged_checkpoint_loads_in_transformers_with_the_lora_logits(tmp_path, run_dir, tiny_converted, shard_size,
+                                                                      capsys):
+    out = tmp_path / "merged"
+    assert export_main(["--run", str(run_dir), "--merge", str(out), "--max-shard-size", shard_size]) == 0
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert (files == ["model.safetensors"]) == (shard_size == "5GB")
+    assert (out / "model.safetensors.index.json").is_file() == (shard_size != "5GB")
+    assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+    merged = HFLlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = merged(torch.tensor(IDS)).logits.numpy()
+    from export.run import load_run
+
+    lora, config, _ = load_run(run_dir)
+    model = load_pretrained(tiny_converted)
+    apply_lora(model, config.lora_config(), rngs=nnx.Rngs(0))
+    nnx.update(model, lora)
+    ours = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
+    plain = np.asarray(load_pretrained(tiny_converted)(jnp.asarray(IDS, jnp.int32)))
+    assert np.abs(ours - plain).max() > 1e-3
+    assert np.abs(ours - theirs).max() <= 1e-4 * max(1.0, np.abs(theirs).max())
+
+
+def test_bad_shard_size(tmp_path, run_dir, capsys):
+    assert export_main(["--run", str(run_dir), "--merge", str(tmp_path / "m"), "--max-shard-size", "lots"]) == 1
+    assert "--max-shard-size 'lots': expected a size" in capsys.readouterr().err
