@@ -27,6 +27,12 @@ from jaxmodel.lora import ALL_TARGETS, LoraConfig, apply_lora
 IDS = np.random.default_rng(5).integers(6, 512, (2, 19))
 
 
+def tolerance(expected: np.ndarray, bound: float) -> float:
+    """`bound` per unit of logit magnitude: float32 rounding grows with the logits, and the tiny test
+    models (init std 0.2) reach |logit| ~ 3.5, where torch and XLA summation orders differ by ~1.4e-5."""
+    return bound * max(1.0, float(np.abs(expected).max()))
+
+
 def jax_lora_model(jax_dir, lora_config: LoraConfig, seed=1):
     """The converted model with adapters whose B is non-zero, so they move the output."""
     model = load_pretrained(jax_dir)
@@ -61,7 +67,7 @@ def test_peft_serves_our_adapter_with_identical_outputs(tmp_path, tiny_checkpoin
     theirs, plain, messages = peft_logits(tiny_checkpoint, adapter)
     assert not any("missing" in m.lower() for m in messages), messages
     assert np.abs(theirs - plain).max() > 1e-3  # the adapter really moves the output
-    assert np.abs(ours - theirs).max() <= 1e-5 * max(1.0, np.abs(theirs).max())
+    assert np.abs(ours - theirs).max() <= tolerance(theirs, 1e-5)
 
 
 def test_keys_and_shapes_equal_what_peft_saves(tmp_path, tiny_checkpoint, tiny_converted):
@@ -92,7 +98,7 @@ def test_tied_embeddings_and_bf16_export(tmp_path):
     ours = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
     f32 = save_peft_adapter(tmp_path / "f32", nnx.state(model, LoRAParam), lora_config, base_model=str(hf_dir))
     theirs, _, _ = peft_logits(hf_dir, f32)
-    assert np.abs(ours - theirs).max() <= 1e-5 * max(1.0, np.abs(theirs).max())
+    assert np.abs(ours - theirs).max() <= tolerance(theirs, 1e-5)
     bf16 = save_peft_adapter(tmp_path / "bf16", nnx.state(model, LoRAParam), lora_config, base_model=str(hf_dir),
                              dtype="bfloat16")
     assert {str(v.dtype) for v in load_file(bf16 / "adapter_model.safetensors").values()} == {"bfloat16"}
@@ -115,7 +121,7 @@ def test_round_trip_peft_to_jax_to_peft_is_exact(tmp_path, tiny_checkpoint, tiny
         np.testing.assert_array_equal(again[name], first[name], err_msg=name)
     theirs, _, _ = peft_logits(tiny_checkpoint, tmp_path / "peft")
     ours = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
-    assert np.abs(ours - theirs).max() <= 1e-5 * max(1.0, np.abs(theirs).max())
+    assert np.abs(ours - theirs).max() <= tolerance(theirs, 1e-5)
 
 
 def test_unsupported_or_mismatched_adapters_are_clear_errors(tmp_path, tiny_checkpoint, tiny_converted):
@@ -154,7 +160,7 @@ def test_export_peft_cli_from_a_run(tmp_path, run_dir, tiny_checkpoint, tiny_con
     theirs, plain, _ = peft_logits(tiny_checkpoint, tmp_path / "adapter")
     assert np.abs(theirs - plain).max() > 1e-3
     ours = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
-    assert np.abs(ours - theirs).max() <= 1e-5 * max(1.0, np.abs(theirs).max())
+    assert np.abs(ours - theirs).max() <= tolerance(theirs, 1e-5)
     assert export_main(["--run", str(run_dir), "--step", "2", "--out", str(tmp_path / "step2")]) == 0
 
 
@@ -218,7 +224,7 @@ def test_merged_checkpoint_loads_in_transformers_with_the_lora_logits(tmp_path, 
     ours = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
     plain = np.asarray(load_pretrained(tiny_converted)(jnp.asarray(IDS, jnp.int32)))
     assert np.abs(ours - plain).max() > 1e-3
-    assert np.abs(ours - theirs).max() <= 1e-4 * max(1.0, np.abs(theirs).max())
+    assert np.abs(ours - theirs).max() <= tolerance(theirs, 1e-4)
 
 
 def test_bad_shard_size(tmp_path, run_dir, capsys):
