@@ -7,7 +7,7 @@ copy tensor by tensor into a temporary directory that is renamed into place only
 from __future__ import annotations
 
 import dataclasses
-import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -18,6 +18,7 @@ from converter.errors import ConversionError
 from converter.hub import resolve_source
 from converter.names import IGNORED, hf_to_jax, is_stacked, jax_to_hf
 from converter.sources import SourceTensor, close_file, iter_chunks, list_tensors, open_file
+from jaxmodel.atomic import atomic_directory
 from jaxmodel.checkpoint import MANIFEST, CheckpointError, CheckpointWriter, param_specs, verify_checkpoint
 from jaxmodel.config import ConfigError, LlamaConfig
 from jaxmodel.safetensors_file import DTYPES
@@ -68,21 +69,17 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "keep", revision: 
     kind, tensors = list_tensors(source_dir)
     plan = _plan(config, tensors, source_dir, DTYPE_CHOICES[dtype])
 
-    tmp = out.parent / f".{out.name}.converting-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir(parents=True)
-        total = _copy(plan, tensors, kind, tmp, progress)
-        for name in AUX_FILES:
-            if (source_dir / name).is_file():
-                shutil.copyfile(source_dir / name, tmp / name)
-        if verify:
-            verify_checkpoint(tmp)
-        _publish(tmp, out)
-    except CheckpointError as e:
-        raise ConversionError(str(e).replace(str(tmp), str(out))) from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_directory(out, "converting") as tmp:
+            total = _copy(plan, tensors, kind, tmp, progress)
+            for name in AUX_FILES:
+                if (source_dir / name).is_file():
+                    shutil.copyfile(source_dir / name, tmp / name)
+            if verify:
+                verify_checkpoint(tmp)
+    except CheckpointError as e:  # name the destination, not the temporary directory
+        raise ConversionError(re.sub(rf"{re.escape(str(out.parent))}/\.{re.escape(out.name)}\.converting-\d+",
+                                     str(out), str(e))) from None
     return ConversionSummary(out, len(plan.sources), total, time.perf_counter() - start)
 
 
@@ -168,14 +165,3 @@ def _check_destination(out: Path, overwrite: bool) -> None:
         raise ConversionError(f"--out {out}: exists and is not empty (pass --overwrite to replace it)")
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
         raise ConversionError(f"--out {out}: holds files that are not a converted checkpoint; refusing to replace it")
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Move the finished conversion into place; an old checkpoint there is replaced only now."""
-    if out.exists():
-        old = out.parent / f".{out.name}.replaced-{os.getpid()}"
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(out)

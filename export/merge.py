@@ -20,6 +20,7 @@ from flax import nnx
 from converter.convert import AUX_FILES
 from converter.names import jax_to_hf, is_stacked
 from export.peft import AdapterError
+from jaxmodel.atomic import atomic_directory
 from jaxmodel.checkpoint import open_tensor, read_manifest
 from jaxmodel.lora import LoraConfig
 from jaxmodel.safetensors_file import write_header
@@ -59,10 +60,7 @@ def save_merged(out: str | Path, converted_dir: str | Path, lora: nnx.State, lor
         shards[-1].append(item)
         size += nbytes
 
-    tmp = out.parent / f".{out.name}.merging-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_directory(out, "merging") as tmp:
         weight_map, total = {}, 0
         for number, shard in enumerate(shards, 1):
             file = "model.safetensors" if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
@@ -74,11 +72,6 @@ def save_merged(out: str | Path, converted_dir: str | Path, lora: nnx.State, lor
         for name in AUX_FILES:
             if (converted_dir / name).is_file():
                 shutil.copyfile(converted_dir / name, tmp / name)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

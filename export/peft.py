@@ -9,8 +9,6 @@ PEFT loads adapters with `strict=False`, silently skipping unknown keys: the tes
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -18,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from converter.names import hf_module
+from jaxmodel.atomic import atomic_directory
 from jaxmodel.lora import LoraConfig, apply_lora, target_linears
 from jaxmodel.safetensors_file import DTYPES
 
@@ -79,19 +78,11 @@ def save_peft_adapter(out: str | Path, lora: nnx.State, lora_config: LoraConfig,
     if not tensors:
         raise AdapterError("no LoRA parameters to export")
     out = Path(out)
-    tmp = out.parent / f".{out.name}.exporting-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_directory(out, "exporting") as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(lora_config, base_model), indent=2,
                                                      sort_keys=True) + "\n")
         (tmp / "README.md").write_text(model_card(lora_config, base_model, card or {}))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
