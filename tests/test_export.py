@@ -230,3 +230,17 @@ def test_merged_checkpoint_loads_in_transformers_with_the_lora_logits(tmp_path, 
 def test_bad_shard_size(tmp_path, run_dir, capsys):
     assert export_main(["--run", str(run_dir), "--merge", str(tmp_path / "m"), "--max-shard-size", "lots"]) == 1
     assert "--max-shard-size 'lots': expected a size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value", [("modules_to_save", ["lm_head"]), ("rank_pattern", {"q_proj": 16}),
+                                          ("alpha_pattern", {"q_proj": 4}), ("layers_to_transform", [0]),
+                                          ("bias", "all"), ("target_modules", "q_proj|v_proj")])
+def test_peft_variants_we_do_not_run_are_refused(tmp_path, tiny_converted, field, value):
+    model = jax_lora_model(tiny_converted, LoraConfig(targets=("q_proj", "v_proj")))
+    adapter = save_peft_adapter(tmp_path / "a", nnx.state(model, LoRAParam), LoraConfig(targets=("q_proj", "v_proj")),
+                                base_model="x")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config[field] = value
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(AdapterError, match=f"field '{field}'"):
+        load_peft_adapter(load_pretrained(tiny_converted), adapter)
