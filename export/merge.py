@@ -21,7 +21,7 @@ from converter.convert import AUX_FILES
 from converter.names import jax_to_hf, is_stacked
 from export.peft import AdapterError
 from jaxmodel.atomic import atomic_directory
-from jaxmodel.checkpoint import open_tensor, read_manifest
+from jaxmodel.checkpoint import DTYPES_BY_NAME, open_tensor, read_manifest
 from jaxmodel.lora import LoraConfig
 from jaxmodel.safetensors_file import write_header
 
@@ -53,7 +53,7 @@ def save_merged(out: str | Path, converted_dir: str | Path, lora: nnx.State, lor
     for item in tensors:
         entry = manifest[item[1]]
         nbytes = math.prod(entry["shape"][1:] if item[2] is not None else entry["shape"]) * \
-            np.dtype(_dtype(entry["dtype"])).itemsize
+            DTYPES_BY_NAME[entry["dtype"]].itemsize
         if shards[-1] and size + nbytes > max_shard_size:
             shards.append([])
             size = 0
@@ -80,7 +80,7 @@ def _write_shard(file: Path, shard, converted_dir: Path, manifest, adapters, sca
     for name, path, layer in shard:
         entry = manifest[path]
         shape = tuple(entry["shape"][1:] if layer is not None else entry["shape"])
-        specs.append((name, _dtype(entry["dtype"]), shape))
+        specs.append((name, DTYPES_BY_NAME[entry["dtype"]], shape))
     fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         locations = write_header(fd, specs, {"format": "pt"})
@@ -101,12 +101,6 @@ def _write_shard(file: Path, shard, converted_dir: Path, manifest, adapters, sca
         return sum(loc.nbytes for loc in locations.values())
     finally:
         os.close(fd)
-
-
-def _dtype(name: str) -> np.dtype:
-    from jaxmodel.checkpoint import DTYPES_BY_NAME
-
-    return DTYPES_BY_NAME[name]
 
 
 def _hf_order(name: str) -> tuple:

@@ -118,15 +118,16 @@ def _tokenize_chat(where: str, messages: list, tokenizer) -> Example:
 
     def render(msgs, generation_prompt=False) -> list[int]:
         out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=generation_prompt)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)  # a BatchEncoding in transformers 5
 
     ids = render(messages)
     trained = np.zeros(len(ids), bool)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start, end = len(render(messages[:i], True)), len(render(messages[: i + 1]))
-        if render(messages[: i + 1]) != ids[:end]:
+        start, upto = len(render(messages[:i], True)), render(messages[: i + 1])
+        end = len(upto)
+        if upto != ids[:end]:
             raise DataError(f"{where}: the chat template renders a conversation differently from its prefixes; "
                             "cannot tell which tokens are the assistant's")
         trained[start:end] = True

@@ -21,14 +21,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from finetune.config import ConfigFileError, TrainConfig
 from finetune.mesh import make_mesh
 from finetune.step import TrainState, build_steps, make_optimizer, optimizer_shardings, split_model
-from finetune.train import check_batch_split
+from finetune.train import DTYPES, check_batch_split
 from jaxmodel.config import LlamaConfig
 from jaxmodel.lora import apply_lora
 from jaxmodel.model import LlamaForCausalLM
 from jaxmodel.sharding import DEFAULT_RULES, named_sharding
 
 GB = 1e9
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
 @dataclasses.dataclass

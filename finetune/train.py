@@ -26,7 +26,7 @@ from jaxmodel.config import LlamaConfig
 from jaxmodel.lora import apply_lora
 from jaxmodel.sharding import named_sharding
 
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 RUN_CONFIG = "run_config.json"
 
 
