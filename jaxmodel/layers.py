@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmodel.sharding import DEFAULT_RULES, Rules, constrain
+
 INIT_STD = 0.02  # transformers' initializer_range for Llama
 
 
@@ -88,8 +90,13 @@ class Embed(nnx.Module):
         )
         self.dtype = dtype
 
-    def __call__(self, ids_bt: jax.Array) -> jax.Array:
-        return jnp.take(self.weight[...], ids_bt, axis=0).astype(self.dtype)
+    def __call__(self, ids_bt: jax.Array, rules: Rules = DEFAULT_RULES) -> jax.Array:
+        # Rows gathered from a table split along both dimensions come out split along the hidden one, and
+        # on some meshes (e.g. dp=2,fsdp=2,mp=2) the partitioner can only move them to the batch split by
+        # replicating the whole table. Gathering the hidden dimension first leaves a lookup in a
+        # vocab-split table: a masked gather plus an all-reduce over `mp`.
+        table = constrain(self.weight[...], ("vocab", None), rules)
+        return jnp.take(table, ids_bt, axis=0).astype(self.dtype)
 
 
 class RMSNorm(nnx.Module):

@@ -165,7 +165,7 @@ class LlamaForCausalLM(nnx.Module):
     def _forward(self, input_ids, positions, mask_bts, cache: KVCache | None, cache_index, dropout_key=None):
         c = self.config
         cos_bth, sin_bth = cos_sin(positions, inv_freq(c.rope, c.head_dim), self.dtype)
-        h_btd = constrain(self.embed_tokens(input_ids), ("act_batch", "act_seq", "act_embed"), self.rules)
+        h_btd = constrain(self.embed_tokens(input_ids, self.rules), ("act_batch", "act_seq", "act_embed"), self.rules)
         graphdef, layer_state = nnx.split(self.layers)
 
         act = ("act_batch", "act_seq", "act_embed")
