@@ -15,6 +15,18 @@ class ConfigFileError(ValueError):
     """A bad option value or YAML file; the message names the file/option and what was expected."""
 
 
+# Section titles for --help and docs/config.md, keyed by the first option of each section (in field order).
+SECTIONS = {
+    "model": "Data and run directory",
+    "mesh": "Mesh and hosts",
+    "rank": "LoRA",
+    "steps": "Optimisation",
+    "dtype": "Numerics and memory",
+    "checkpoint_every": "Checkpoints and logging",
+    "plan": "Planning without hardware",
+}
+
+
 def option(default: Any, help: str, **kw) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
@@ -97,7 +109,7 @@ class TrainConfig:
                     "keep_checkpoints")
         for name in positive:
             if getattr(self, name) <= 0:
-                raise ConfigFileError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
+                raise ConfigFileError(f"--{flag_of(name)} must be a positive integer, got {getattr(self, name)}")
         if self.batch_size % self.grad_accum:
             raise ConfigFileError(f"--batch-size {self.batch_size} must be a multiple of --grad-accum {self.grad_accum}")
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -118,7 +130,7 @@ class TrainConfig:
         return self
 
 
-def _flag(name: str) -> str:
+def flag_of(name: str) -> str:
     return name.replace("_", "-")
 
 
@@ -129,16 +141,19 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of options (keys as the flags, with - or _); "
                                                                "flags given on the command line override it")
     hints = get_type_hints(TrainConfig)
+    group = parser
     for f in dataclasses.fields(TrainConfig):
+        if f.name in SECTIONS:
+            group = parser.add_argument_group(SECTIONS[f.name])
         kind = hints[f.name]
         text = f"{f.metadata['help']} (default: {f.default})"
         if kind is bool:
-            parser.add_argument(f"--{_flag(f.name)}", dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=text)
+            group.add_argument(f"--{flag_of(f.name)}", dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=text)
             continue
         choices = list(get_args(kind)) if get_origin(kind) is Literal else None
-        parser.add_argument(f"--{_flag(f.name)}", dest=f.name, type=_scalar_type(kind), choices=choices,
-                            default=argparse.SUPPRESS, metavar=None if choices else f.name.upper(), help=text)
+        group.add_argument(f"--{flag_of(f.name)}", dest=f.name, type=_scalar_type(kind), choices=choices,
+                           default=argparse.SUPPRESS, metavar=None if choices else f.name.upper(), help=text)
     return parser
 
 
