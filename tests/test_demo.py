@@ -19,3 +19,15 @@ def test_demo_pipeline_trains_and_peft_serves_the_same_model(tmp_path, capfd):
     assert "finetune-lora --config" in output.out
     # the embedding lookup on a dp=2,fsdp=2,mp=2 mesh once made the partitioner replicate the whole table
     assert "Involuntary full rematerialization" not in output.err
+
+
+def test_reverse_words_holds_out_word_orders_never_trained_on():
+    from export.reverse_words import accuracy, split
+
+    train, test = split(seed=0, test_size=200)
+    prompts = lambda rows: {r["messages"][0]["content"] for r in rows}  # noqa: E731
+    assert len(test) == 200 and len(train) + len(test) == 16 * 15 * 14
+    assert not prompts(train) & prompts(test)
+    assert split(seed=0, test_size=200) == (train, test) and split(seed=1, test_size=200)[1] != test
+    assert test[0]["messages"][1]["content"] == " ".join(reversed(test[0]["messages"][0]["content"].split()[1:]))
+    assert accuracy([" " + test[0]["messages"][1]["content"], "wrong"], test[:2]) == 0.5
