@@ -119,10 +119,12 @@ def timed(run_one, steps: int) -> float:
 
 
 def main() -> None:
+    from finetune.config import TrainConfig
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of both sides")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per side per round")
-    parser.add_argument("--remat", default="none")
+    parser.add_argument("--remat", default=TrainConfig.remat, help="JAX remat policy (default: finetune-lora's)")
     args = parser.parse_args()
 
     import torch

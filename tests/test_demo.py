@@ -25,7 +25,7 @@ def test_reverse_words_holds_out_word_orders_never_trained_on():
     from export.reverse_words import accuracy, split
 
     train, test = split(seed=0, test_size=200)
-    prompts = lambda rows: {r["messages"][0]["content"] for r in rows}  # noqa: E731
+    prompts = lambda rows: {r["messages"][0]["content"] for r in rows}
     assert len(test) == 200 and len(train) + len(test) == 16 * 15 * 14
     assert not prompts(train) & prompts(test)
     assert split(seed=0, test_size=200) == (train, test) and split(seed=1, test_size=200)[1] != test
