@@ -25,8 +25,10 @@ REMAT_POLICIES = {
 }
 
 
-# Query blocks of causal attention without a cache (see Attention); 1 computes every score.
+# Query blocks of causal attention without a cache (see Attention), used from CAUSAL_BLOCK_MIN positions
+# per block on: below that attention costs little and the extra matmuls only lengthen compilation.
 CAUSAL_BLOCKS = 4
+CAUSAL_BLOCK_MIN = 64
 
 
 def _split(key, n: int) -> list:
@@ -72,7 +74,7 @@ class Attention(nnx.Module):
         v_bksh = v_btkh.astype(self.dtype).transpose(0, 2, 1, 3)
         # Without a cache the mask is causal: query block j needs keys up to the block's end only, which
         # skips 3/8 of the scores with four blocks (masked keys add exact zeros to the softmax).
-        if kv is None and t % CAUSAL_BLOCKS == 0:
+        if kv is None and t % CAUSAL_BLOCKS == 0 and t // CAUSAL_BLOCKS >= CAUSAL_BLOCK_MIN:
             tb = t // CAUSAL_BLOCKS
             out_bkqh = jnp.concatenate([
                 _attend(q_bkqh[:, :, j * tb * r:(j + 1) * tb * r], k_bksh[:, :, :(j + 1) * tb],

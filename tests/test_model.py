@@ -68,3 +68,39 @@ def test_bf16_compute_with_f32_params_returns_f32_logits():
     assert model.layers.mlp.up_proj.weight[...].shape == (2, 48, 32)
     logits = model(jnp.zeros((1, 5), jnp.int32))
     assert logits.dtype == jnp.float32 and logits.shape == (1, 5, 64)
+
+
+def test_causal_query_blocks_keep_the_numbers(monkeypatch):
+    """Attention without a cache skips the keys after each query block; logits and gradients must equal
+    those of full attention, with packed documents and padding in the row."""
+    import jaxmodel.model as model_module
+
+    t = model_module.CAUSAL_BLOCKS * model_module.CAUSAL_BLOCK_MIN
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, 64, (2, t)), jnp.int32)
+    segments = np.ones((2, t), np.int32)
+    segments[0, t // 3:] = 2  # a second document starting inside a query block
+    segments[1, -7:] = 0  # padding at the end
+    positions = np.where(segments[0] == 2, np.arange(t) - t // 3, np.arange(t))[None].repeat(2, 0)
+    model = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(2))
+    graphdef, state = nnx.split(model)
+
+    def run(blocks):
+        monkeypatch.setattr(model_module, "CAUSAL_BLOCKS", blocks)
+
+        def logits(state):
+            return nnx.merge(graphdef, state)(ids, positions=jnp.asarray(positions), segment_ids=jnp.asarray(segments))
+
+        def loss(state):
+            return (logits(state) * (segments != 0)[..., None]).mean()
+
+        return jax.jit(logits)(state), jax.jit(jax.grad(loss))(state), jax.jit(logits).lower(state).as_text()
+
+    full_logits, full_grads, full_text = run(1)
+    blocked_logits, blocked_grads, blocked_text = run(4)
+    real = segments != 0
+    np.testing.assert_allclose(blocked_logits[real], full_logits[real], rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(full_grads), jax.tree.leaves(blocked_grads)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7)
+    # four blocks: four score matmuls per layer instead of one, over shorter key ranges
+    assert blocked_text.count("stablehlo.dot_general") == full_text.count("stablehlo.dot_general") + 2 * 3
