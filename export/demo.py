@@ -89,14 +89,9 @@ def run_demo(args: argparse.Namespace) -> dict:
     paths = {"hf": out / "hf-llama", "jax": out / "jax-llama", "data": out / "data", "run": out / "run",
              "adapter": out / "adapter"}
 
-    if (paths["hf"] / "config.json").exists() and not args.rebuild:
-        _say(1, f"reusing the small Llama checkpoint in {paths['hf']} (--rebuild to make it again)")
-    else:
-        _say(1, f"building a small Llama 3.1-style checkpoint in {paths['hf']} (seed {args.seed})")
-        from converter.tiny import build_tiny_llama
-
-        shutil.rmtree(paths["hf"], ignore_errors=True)
-        build_tiny_llama(paths["hf"], {**DEMO_MODEL, "num_hidden_layers": args.layers}, seed=args.seed)
+    _say(1, f"a small Llama 3.1-style checkpoint in {paths['hf']} (seed {args.seed}, {args.layers} layers)")
+    built = build_or_reuse_checkpoint(paths["hf"], seed=args.seed, layers=args.layers, rebuild=args.rebuild)
+    print("built" if built else "reused the one built before with these options (--rebuild to make it again)")
 
     _say(2, "converting it to the JAX checkpoint format")
     _run("convert-llama", "converter.cli", ["--src", paths["hf"], "--out", paths["jax"], "--overwrite", "--verify"])
@@ -127,6 +122,23 @@ def run_demo(args: argparse.Namespace) -> dict:
     return {"paths": paths, "losses": losses, "plot": plot, "scores": scores,
             "loss_fell": losses[-1] < 0.5 * losses[0],
             "logits_match": scores["logit_diff"] <= LOGIT_TOLERANCE * max(1.0, scores["logit_max"])}
+
+
+def build_or_reuse_checkpoint(hf_dir: Path, *, seed: int, layers: int, rebuild: bool = False) -> bool:
+    """Build the demo's HF checkpoint unless `hf_dir` already holds one from the same recipe; True if built.
+    The recipe is kept beside the directory (not in it, which stays exactly like a hub model)."""
+    recipe = {"seed": seed, **DEMO_MODEL, "num_hidden_layers": layers}
+    recipe_file = hf_dir.with_name(hf_dir.name + ".recipe.json")
+    if not rebuild and (hf_dir / "config.json").exists() and recipe_file.exists() \
+            and json.loads(recipe_file.read_text()) == recipe:
+        return False
+    from converter.tiny import build_tiny_llama
+
+    shutil.rmtree(hf_dir, ignore_errors=True)
+    recipe_file.unlink(missing_ok=True)
+    build_tiny_llama(hf_dir, {k: v for k, v in recipe.items() if k != "seed"}, seed=seed)
+    recipe_file.write_text(json.dumps(recipe))
+    return True
 
 
 def _say(step: int, text: str) -> None:

@@ -31,3 +31,16 @@ def test_reverse_words_holds_out_word_orders_never_trained_on():
     assert split(seed=0, test_size=200) == (train, test) and split(seed=1, test_size=200)[1] != test
     assert test[0]["messages"][1]["content"] == " ".join(reversed(test[0]["messages"][0]["content"].split()[1:]))
     assert accuracy([" " + test[0]["messages"][1]["content"], "wrong"], test[:2]) == 0.5
+
+
+def test_the_demo_checkpoint_is_reused_only_when_built_the_same_way(tmp_path):
+    from export.demo import build_or_reuse_checkpoint
+
+    hf = tmp_path / "hf-llama"
+    assert build_or_reuse_checkpoint(hf, seed=0, layers=1)
+    assert not build_or_reuse_checkpoint(hf, seed=0, layers=1)
+    assert build_or_reuse_checkpoint(hf, seed=1, layers=1)
+    assert build_or_reuse_checkpoint(hf, seed=1, layers=2)
+    assert '"num_hidden_layers": 2' in (hf / "config.json").read_text()
+    assert build_or_reuse_checkpoint(hf, seed=1, layers=2, rebuild=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf-llama", "hf-llama.recipe.json"]
