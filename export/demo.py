@@ -26,6 +26,8 @@ import time
 import warnings
 from pathlib import Path
 
+from export.reverse_words import WORDS, accuracy, read_dataset, write_dataset
+
 # The demo model: small enough to train in minutes on 2 cores, big enough to learn the task.
 DEMO_MODEL = {"hidden_size": 128, "intermediate_size": 320, "num_attention_heads": 8, "num_key_value_heads": 2,
               "head_dim": 16}
@@ -54,7 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("layers", "devices", "test_size"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.test_size >= len(WORDS) * (len(WORDS) - 1) * (len(WORDS) - 2):
+        parser.error(f"--test-size {args.test_size} leaves no word orders to train on")
     started = time.perf_counter()
     result = run_demo(args)
     scores, paths = result["scores"], result["paths"]
@@ -97,8 +105,6 @@ def run_demo(args: argparse.Namespace) -> dict:
     _run("convert-llama", "converter.cli", ["--src", paths["hf"], "--out", paths["jax"], "--overwrite", "--verify"])
 
     _say(3, f"writing the word-reversal dataset to {paths['data']}")
-    from export.reverse_words import write_dataset
-
     train_file, test_file = write_dataset(paths["data"], seed=args.seed, test_size=args.test_size)
 
     _say(4, f"fine-tuning LoRA adapters on {args.devices} simulated devices")
@@ -116,8 +122,9 @@ def run_demo(args: argparse.Namespace) -> dict:
     _run("export-peft", "export.cli", ["--run", paths["run"], "--out", paths["adapter"], "--base-model", paths["hf"]])
 
     _say(6, "loading base + adapter with peft.PeftModel.from_pretrained and comparing")
-    losses = _losses(paths["run"] / "metrics.jsonl")
-    plot = plot_losses(paths["run"] / "metrics.jsonl", paths["run"] / "loss.png")
+    metrics = [json.loads(line) for line in (paths["run"] / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    losses = [r["loss"] for r in metrics if "loss" in r]
+    plot = plot_losses(metrics, paths["run"] / "loss.png")
     scores = compare_with_peft(paths["hf"], paths["jax"], paths["adapter"], test_file)
     return {"paths": paths, "losses": losses, "plot": plot, "scores": scores,
             "loss_fell": losses[-1] < 0.5 * losses[0],
@@ -162,19 +169,13 @@ def _write_yaml(path: Path, values: dict) -> None:
     path.write_text("# written by llama-jax-demo; options after `llama-jax-demo --` override these\n" + text)
 
 
-def _losses(metrics_file: Path) -> list[float]:
-    records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-    return [r["loss"] for r in records if "loss" in r]
-
-
-def plot_losses(metrics_file: Path, png: Path) -> Path:
-    """Training loss per step (and eval loss where measured) from metrics.jsonl, as a PNG."""
+def plot_losses(records: list[dict], png: Path) -> Path:
+    """Training loss per step (and eval loss where measured) from metrics.jsonl's records, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
     train = [r for r in records if "loss" in r]
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
@@ -201,7 +202,6 @@ def compare_with_peft(hf_dir: Path, jax_dir: Path, adapter_dir: Path, test_file:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from export.peft import load_peft_adapter
-    from export.reverse_words import accuracy, read_dataset
     from jaxmodel.checkpoint import load_pretrained
 
     rows = read_dataset(test_file)

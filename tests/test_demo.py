@@ -1,5 +1,7 @@
 """The Quick start demo, reduced: build, convert, fine-tune on a dp x fsdp x mp mesh, export, serve with PEFT."""
 
+import pytest
+
 from export.demo import LOGIT_TOLERANCE, build_parser, run_demo
 
 
@@ -44,3 +46,17 @@ def test_the_demo_checkpoint_is_reused_only_when_built_the_same_way(tmp_path):
     assert '"num_hidden_layers": 2' in (hf / "config.json").read_text()
     assert build_or_reuse_checkpoint(hf, seed=1, layers=2, rebuild=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf-llama", "hf-llama.recipe.json"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layers", "0"], "--layers must be a positive integer, got 0"),
+    (["--test-size", "3360"], "--test-size 3360 leaves no word orders to train on"),
+])
+def test_bad_demo_options_are_one_line_errors(tmp_path, capsys, args, message):
+    from export.demo import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", str(tmp_path / "demo"), *args])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"llama-jax-demo: error: {message}"
+    assert not (tmp_path / "demo").exists()
