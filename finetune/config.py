@@ -78,7 +78,7 @@ class TrainConfig:
                                                                           "device memory (keep: as stored)")
     remat: Literal["none", "full", "dots", "dots_no_batch"] = option(
         "dots", "rematerialisation policy of the scanned layer: dots keeps matmul outputs and recomputes the "
-                "elementwise work (faster and smaller than none here); full keeps only layer inputs (least memory)")
+                "elementwise work (faster than none on CPU, and less memory); full keeps only layer inputs (least memory)")
     # checkpoints and logging
     checkpoint_every: int = option(100, "save a checkpoint every N steps (and at the end)")
     keep_checkpoints: int = option(3, "keep the newest N checkpoints")

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from isolation import run_without
 from safetensors.numpy import load_file
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
@@ -240,19 +241,6 @@ def test_hub_id_missing_from_cache_offline_is_a_clear_error(tmp_path):
     assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
     assert "meta-llama/Not-Cached: not in the local HuggingFace cache" in result.stderr
     assert not (tmp_path / "out").exists()
-
-
-def run_without(modules: tuple[str, ...], code: str) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh interpreter where importing any of `modules` fails, as if not installed."""
-    blocker = (
-        "import sys\n"
-        "class NotInstalled:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        f"        if name.split('.')[0] in {modules!r}:\n"
-        "            raise ImportError(f'{name} is not installed here')\n"
-        "sys.meta_path.insert(0, NotInstalled())\n"
-    )
-    return subprocess.run([sys.executable, "-c", blocker + code], capture_output=True, text=True, timeout=300)
 
 
 def test_safetensors_conversion_needs_no_torch(tmp_path, tiny_checkpoint):

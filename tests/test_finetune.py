@@ -254,3 +254,18 @@ def test_two_processes_over_loopback_match_one_device(tmp_path, tiny_converted, 
     assert float(got["tokens"]) == ref_tokens and abs(float(got["loss"]) - ref_loss) <= 1e-5
     for name, g in ref_grads.items():
         np.testing.assert_allclose(got[name], g, atol=1e-5, rtol=0, err_msg=name)
+
+
+def test_training_needs_neither_torch_nor_peft(tiny_converted, data_file, tmp_path):
+    """finetune-lora runs in a rocm/jax container without torch (the [train] extra has none)."""
+    from isolation import run_without
+
+    result = run_without(("torch", "peft"), (
+        "from finetune.cli import main\n"
+        f"rc = main(['--model', {str(tiny_converted)!r}, '--data', {str(data_file)!r}, '--out', "
+        f"{str(tmp_path / 'run')!r}, '--steps', '2', '--batch-size', '8', '--seq-len', '32', '--no-progress'])\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] in BLOCKED], 'torch or peft was imported'\n"
+        "sys.exit(rc)\n"
+    ))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "trained 2 steps" in result.stdout
