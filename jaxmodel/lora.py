@@ -66,9 +66,9 @@ def apply_lora(model: LlamaForCausalLM, config: LoraConfig, *, rngs: nnx.Rngs) -
         *lead_axes, out_axis, in_axis = axes
         bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on torch's [r, in] lora_A
         a = jax.random.uniform(rngs.params(), (*lead, in_features, config.rank), jnp.float32, -bound, bound)
-        linear.lora_a = LoRAParam(a, axes=(*lead_axes, in_axis, "lora_rank"))
+        linear.lora_a = LoRAParam(a, axes=(*lead_axes, (in_axis, "lora_rank"), "lora_rank"))
         linear.lora_b = LoRAParam(jnp.zeros((*lead, config.rank, out_features), jnp.float32),
-                                  axes=(*lead_axes, "lora_rank", out_axis))
+                                  axes=(*lead_axes, "lora_rank", (out_axis, "lora_rank")))
         linear.lora_scale = config.scale
         linear.lora_dropout = config.dropout
     return model

@@ -21,7 +21,9 @@ DEFAULT_RULES: Rules = (
     ("kv_heads", "mp"),
     ("mlp", "mp"),
     ("norm", None),
-    ("lora_rank", "fsdp"),  # B [r, out]: out is on mp, so r carries the fsdp split
+    # B [r, out]: out is on mp, so r carries the fsdp split; when fsdp does not divide r, B's out
+    # dimension (logical axes (out, "lora_rank"), see jaxmodel/lora.py) takes it instead.
+    ("lora_rank", "fsdp"),
     # activations: the batch over (dp, fsdp), the hidden state whole, heads/mlp/vocab over mp
     ("act_batch", ("dp", "fsdp")),
     ("act_seq", None),
@@ -30,18 +32,20 @@ DEFAULT_RULES: Rules = (
 )
 
 
-def partition_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+def partition_spec(axes: Sequence[str | tuple[str, ...] | None], shape: Sequence[int], mesh: Mesh,
                    rules: Rules = DEFAULT_RULES) -> PartitionSpec:
-    """The PartitionSpec for a parameter with logical `axes`; a dimension that its mesh axes do not
-    divide evenly (possible only in tiny test models) stays unsplit."""
+    """The PartitionSpec for a parameter with logical `axes`. A dimension may name several logical axes:
+    it is split over all their mesh axes that no earlier dimension took. A dimension that its mesh axes
+    do not divide evenly stays unsplit (tiny test models; LoRA ranks below the fsdp size)."""
     table = dict(rules)
     spec = []
     used: set[str] = set()
     for name, size in zip(axes, shape):
-        mesh_axes = table.get(name) if name is not None else None
-        if isinstance(mesh_axes, str):
-            mesh_axes = (mesh_axes,)
-        mesh_axes = tuple(a for a in (mesh_axes or ()) if a in mesh.shape and a not in used)
+        mesh_axes: list[str] = []
+        for logical in (name,) if isinstance(name, str) or name is None else name:
+            found = table.get(logical) if logical is not None else None
+            mesh_axes += [found] if isinstance(found, str) else list(found or ())
+        mesh_axes = tuple(dict.fromkeys(a for a in mesh_axes if a in mesh.shape and a not in used))
         ways = 1
         for a in mesh_axes:
             ways *= mesh.shape[a]

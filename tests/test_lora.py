@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxmodel import LlamaConfig, LlamaForCausalLM
 from jaxmodel.layers import LoRAParam
@@ -88,3 +89,24 @@ def test_lora_stays_float32_on_a_bf16_base():
     assert model.layers.self_attn.q_proj.weight[...].dtype == jnp.bfloat16
     assert model.layers.self_attn.q_proj.lora_a[...].dtype == jnp.float32
     assert model(IDS).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("rank, expected_b", [
+    (8, P(None, "fsdp", "mp")),  # r carries the fsdp split, the output dimension the mp one
+    (2, P(None, None, ("mp", "fsdp"))),  # r = 2 cannot be split 4 ways: the output dimension takes both
+])
+def test_lora_b_is_split_over_fsdp_even_when_the_rank_is_not(rank, expected_b):
+    from jaxmodel.sharding import partition_spec
+
+    mesh = jax.make_mesh((1, 4, 2), ("dp", "fsdp", "mp"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = apply_lora(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), LoraConfig(rank=rank, alpha=16), rngs=nnx.Rngs(1))
+    up = model.layers.mlp.up_proj
+    spec = partition_spec(up.lora_b.get_metadata()["axes"], up.lora_b[...].shape, mesh)
+    assert spec == expected_b
+    weight = up.weight
+    assert partition_spec(weight.get_metadata()["axes"], weight[...].shape, mesh) == P(None, "mp", "fsdp")
+    # A [in, r] of a layer whose input is on mp (down_proj) takes fsdp on its input dimension
+    down_a = model.layers.mlp.down_proj.lora_a
+    assert partition_spec(down_a.get_metadata()["axes"], down_a[...].shape, mesh) == P(None, ("mp", "fsdp"), None)
