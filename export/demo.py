@@ -26,7 +26,7 @@ import time
 import warnings
 from pathlib import Path
 
-from export.reverse_words import WORDS, accuracy, read_dataset, write_dataset
+from export.reverse_words import WORDS, accuracy, write_dataset
 
 # The demo model: small enough to train in minutes on 2 cores, big enough to learn the task.
 DEMO_MODEL = {"hidden_size": 128, "intermediate_size": 320, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -202,9 +202,10 @@ def compare_with_peft(hf_dir: Path, jax_dir: Path, adapter_dir: Path, test_file:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from export.peft import load_peft_adapter
+    from finetune.data import read_rows
     from jaxmodel.checkpoint import load_pretrained
 
-    rows = read_dataset(test_file)
+    rows = [row for _, row in read_rows(test_file)]
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, padding_side="left")
     with warnings.catch_warnings():  # a transformers deprecation inside peft, not the user's to act on
         warnings.simplefilter("ignore", FutureWarning)

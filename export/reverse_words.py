@@ -48,10 +48,6 @@ def write_dataset(out_dir: str | Path, seed: int = 0, test_size: int = 200) -> t
     return paths
 
 
-def read_dataset(path: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
 def answer(row: dict[str, Any]) -> str:
     return row["messages"][-1]["content"]
 

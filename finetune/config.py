@@ -153,12 +153,13 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
                                default=argparse.SUPPRESS, help=text)
             continue
         choices = list(get_args(kind)) if get_origin(kind) is Literal else None
-        group.add_argument(f"--{flag_of(f.name)}", dest=f.name, type=_scalar_type(kind), choices=choices,
+        group.add_argument(f"--{flag_of(f.name)}", dest=f.name, type=scalar_type(kind), choices=choices,
                            default=argparse.SUPPRESS, metavar=None if choices else f.name.upper(), help=text)
     return parser
 
 
-def _scalar_type(kind) -> type:
+def scalar_type(kind) -> type:
+    """The Python type of an option's values (str for a Literal, T for `T | None`)."""
     if get_origin(kind) is Literal:
         return str
     args = [a for a in get_args(kind) if a is not type(None)]
@@ -209,7 +210,7 @@ def _coerce(path: Path, key: str, value: Any, kind) -> Any:
         return value
     if key == "targets" and isinstance(value, list):
         return ",".join(map(str, value))
-    target = _scalar_type(kind)
+    target = scalar_type(kind)
     if target is bool and not isinstance(value, bool):
         raise ConfigFileError(f"{path}: option '{key}' must be true or false, got {value!r}")
     if target is float and isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, get_args, get_origin, get_type_hints
 
-from finetune.config import SECTIONS, TrainConfig, flag_of
+from finetune.config import SECTIONS, TrainConfig, flag_of, scalar_type
 
 HEADER = """# finetune-lora options
 
@@ -38,8 +38,7 @@ targets: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]
 def _type_name(kind) -> str:
     if get_origin(kind) is Literal:
         return " \\| ".join(f"`{v}`" for v in get_args(kind))
-    names = [a.__name__ for a in get_args(kind) if a is not type(None)] or [kind.__name__]
-    return names[0] + (" (optional)" if type(None) in get_args(kind) else "")
+    return scalar_type(kind).__name__ + (" (optional)" if type(None) in get_args(kind) else "")
 
 
 def _flags(name: str, kind) -> str:
