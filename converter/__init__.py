@@ -1,7 +1,11 @@
-"""Stream HuggingFace Llama 3.x checkpoints into the JAX port's checkpoint format."""
+"""Stream HuggingFace Llama 3.x checkpoints into the JAX port's checkpoint format.
 
-from converter.convert import ConversionSummary, convert
-from converter.errors import ConversionError
-from jaxmodel.checkpoint import verify_checkpoint as verify
+`convert(src, out)` is `convert-llama`; `verify(out)` re-reads a converted checkpoint against its checksums.
+"""
 
-__all__ = ["ConversionError", "ConversionSummary", "convert", "verify"]
+from jaxmodel.lazy import lazy_exports
+
+_EXPORTS = {"convert": "converter.conversion", "ConversionSummary": "converter.conversion",
+            "ConversionError": "converter.errors", "verify": "jaxmodel.formats.checkpoint:verify_checkpoint"}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,12 +1,12 @@
-"""`convert-llama`: the command-line face of `converter.convert`."""
+"""`convert-llama`: the command-line face of `converter.conversion`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from converter.convert import DTYPE_CHOICES, convert
-from converter.errors import ConversionError
+from converter.conversion import DTYPE_CHOICES, convert
+from jaxmodel.errors import UserError, report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,12 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = convert(args.src, args.out, dtype=args.dtype, revision=args.revision, overwrite=args.overwrite,
                           verify=args.verify, progress=not args.no_progress)
-    except ConversionError as e:
-        print(f"convert-llama: error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # the disk or filesystem refused: still one line, and nothing left at --out
-        print(f"convert-llama: error: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
-        return 1
+    except UserError as e:
+        return report("convert-llama", e)
     except KeyboardInterrupt:
         print("convert-llama: interrupted; nothing was written to --out", file=sys.stderr)
         return 130

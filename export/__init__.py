@@ -1,5 +1,10 @@
-"""PEFT adapter export and import, and merged HF checkpoints."""
+"""Export a finetune-lora run: PEFT adapters (`PeftModel.from_pretrained` serves them), merged HF checkpoints."""
 
-from export.peft import AdapterError, load_peft_adapter, peft_tensors, save_peft_adapter
+from jaxmodel.lazy import lazy_exports
 
-__all__ = ["AdapterError", "load_peft_adapter", "peft_tensors", "save_peft_adapter"]
+_EXPORTS = {"export_adapter": "export.adapter", "export_merged": "export.adapter",
+            "save_merged": "export.merge", "parse_size": "export.merge",
+            "save_peft_adapter": "jaxmodel.formats.peft_adapter", "peft_tensors": "jaxmodel.formats.peft_adapter",
+            "adapter_config": "jaxmodel.formats.peft_adapter"}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

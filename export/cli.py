@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from export.peft import EXPORT_DTYPES
+from jaxmodel.formats.peft_adapter import EXPORT_DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,26 +30,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (args.out or args.merge):
         parser.error("give --out ADAPTER_DIR, --merge OUT_DIR, or both")
-    from export.merge import parse_size, save_merged
-    from export.peft import AdapterError, save_peft_adapter
-    from export.run import load_run
-    from jaxmodel.checkpoint import CheckpointError
-    from jaxmodel.config import ConfigError
+    from export.adapter import export_adapter, export_merged
+    from export.merge import parse_size
+    from jaxmodel.errors import UserError, report
 
     try:
         shard_size = parse_size(args.max_shard_size)
-        lora, config, step = load_run(args.run, args.step)
         if args.out:
-            out = save_peft_adapter(args.out, lora, config.lora_config(), base_model=args.base_model or config.model,
-                                    dtype=args.dtype, card={"training steps": step, "learning rate": config.lr,
-                                                            "sequence length": config.seq_len})
-            print(f"exported the LoRA adapters of step {step} (r={config.rank}, alpha={config.alpha:g}) -> {out}")
+            out, step, lora = export_adapter(args.run, args.out, step=args.step, dtype=args.dtype,
+                                             base_model=args.base_model)
+            print(f"exported the LoRA adapters of step {step} (r={lora.rank}, alpha={lora.alpha:g}) -> {out}")
         if args.merge:
-            merged = save_merged(args.merge, config.model, lora, config.lora_config(), max_shard_size=shard_size)
-            print(f"merged the LoRA adapters of step {step} into {config.model} -> {merged}")
-    except (AdapterError, CheckpointError, ConfigError) as e:
-        print(f"export-peft: error: {e}", file=sys.stderr)
-        return 1
+            merged, step = export_merged(args.run, args.merge, step=args.step, max_shard_size=shard_size)
+            print(f"merged the LoRA adapters of step {step} into the run's base -> {merged}")
+    except UserError as e:
+        return report("export-peft", e)
     return 0
 
 

@@ -17,13 +17,14 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from converter.convert import AUX_FILES
-from converter.names import jax_to_hf, is_stacked
-from export.peft import AdapterError
-from jaxmodel.atomic import atomic_directory
-from jaxmodel.checkpoint import DTYPES_BY_NAME, open_tensor, read_manifest
+from jaxmodel.errors import UsageError
+from jaxmodel.formats.atomic import atomic_directory
+from jaxmodel.formats.checkpoint import DTYPES_BY_NAME, open_tensor, read_manifest
+from jaxmodel.formats.hf_checkpoint import AUX_FILES
+from jaxmodel.formats.hf_names import is_stacked, jax_to_hf
+from jaxmodel.formats.io import pwrite_all
+from jaxmodel.formats.safetensors_file import write_header
 from jaxmodel.lora import LoraConfig
-from jaxmodel.safetensors_file import write_header
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)B?", re.IGNORECASE)
 
@@ -32,7 +33,7 @@ def parse_size(text: str) -> int:
     """`5GB`, `500MB`, `1.5G` or a byte count -> bytes (decimal units, as transformers reads them)."""
     match = _SIZE.fullmatch(text.strip())
     if not match:
-        raise AdapterError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or a byte count")
+        raise UsageError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or a byte count")
     return int(float(match.group(1)) * 1000 ** " KMGT".index(match.group(2).upper() or " "))
 
 
@@ -93,10 +94,7 @@ def _write_shard(file: Path, shard, converted_dir: Path, manifest, adapters, sca
                 a, b = (a[layer], b[layer]) if layer is not None else (a, b)
                 merged = weight.astype(np.float32) + scale * (a.astype(np.float32) @ b.astype(np.float32)).T
                 weight = merged.astype(weight.dtype)
-            data = np.ascontiguousarray(weight).view(np.uint8).reshape(-1)
-            done, offset = 0, locations[name].offset
-            while done < data.size:
-                done += os.pwrite(fd, data[done:], offset + done)
+            pwrite_all(fd, np.ascontiguousarray(weight).view(np.uint8).reshape(-1), locations[name].offset)
         os.fsync(fd)
         return sum(loc.nbytes for loc in locations.values())
     finally:

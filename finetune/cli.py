@@ -6,7 +6,8 @@ import math
 import os
 import sys
 
-from finetune.config import ConfigFileError, load_config
+from finetune.config import load_config
+from jaxmodel.errors import UserError, report
 
 DESCRIPTION = """LoRA fine-tuning of a converted Llama 3.x checkpoint on a (dp, fsdp, mp) device mesh.
 
@@ -19,36 +20,33 @@ Every option can also come from a YAML file (--config FILE.yaml); flags override
 def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(argv, "finetune-lora", DESCRIPTION, validate=False)
-        if config.plan and "jax" not in sys.modules:
+        if config.plan and not _jax_started():
             _simulate_devices_for_plan(config.mesh)
         config.validate()
-    except ConfigFileError as e:
-        print(f"finetune-lora: error: {e}", file=sys.stderr)
-        return 2
-    from finetune.data import DataError
-    from finetune.mesh import MeshError
-    from finetune.train import TrainingError
-    from jaxmodel.checkpoint import CheckpointError
-    from jaxmodel.config import ConfigError
-
-    from export.peft import AdapterError
-
-    user_errors = (ConfigFileError, DataError, MeshError, CheckpointError, ConfigError, TrainingError, AdapterError)
-    try:
         if config.plan:
-            from finetune.plan import plan
+            from finetune.planning import plan
 
-            report = plan(config)
-            print(report)
-            return 0 if report.fits else 1
-        from finetune.train import train
+            plan_report = plan(config)
+            print(plan_report)
+            return 0 if plan_report.fits else 1
+        from finetune.train import run_training
 
-        summary = train(config)
-    except user_errors as e:
-        print(f"finetune-lora: error: {e}", file=sys.stderr)
-        return 1
+        summary = run_training(config)
+    except UserError as e:
+        return report("finetune-lora", e)
     print(summary)
     return 0
+
+
+def _jax_started() -> bool:
+    """Whether JAX has created its devices already (importing jax alone does not; `XLA_FLAGS` is read then)."""
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+    except ImportError:
+        return True
+    return getattr(xla_bridge, "backends_are_initialized", lambda: True)()
 
 
 def _simulate_devices_for_plan(mesh: str) -> None:

@@ -10,8 +10,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+from jaxmodel.errors import UsageError
 
-class ConfigFileError(ValueError):
+
+class ConfigFileError(ValueError, UsageError):
     """A bad option value or YAML file; the message names the file/option and what was expected."""
 
 

@@ -19,8 +19,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jaxmodel.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(ValueError, UserError):
     """Bad training data; the message names the file (and line) and what was expected."""
 
 

@@ -8,10 +8,11 @@ import os
 import jax
 from jax.sharding import AxisType, Mesh
 
-AXES = ("dp", "fsdp", "mp")
+from jaxmodel.errors import UsageError
+from jaxmodel.sharding import MESH_AXES as AXES
 
 
-class MeshError(ValueError):
+class MeshError(ValueError, UsageError):
     """A mesh spec that does not describe the available devices; the message says what was expected."""
 
 

@@ -9,11 +9,14 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from finetune.config import TrainConfig
 from jaxmodel.layers import LoRAParam
+from jaxmodel.sharding import Rules, batch_sharding
 
 BATCH_KEYS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
 class TrainState(NamedTuple):
@@ -99,6 +102,24 @@ def build_steps(graphdef, schedule, tx: optax.GradientTransformation, grad_accum
     def eval_step(lora, base, batch):
         return loss_sums(nnx.merge(graphdef, base, lora), batch)
 
+    return train_step, eval_step
+
+
+def jit_steps(graphdef, config: TrainConfig, tx: optax.GradientTransformation, schedule, state: TrainState, base,
+              mesh: Mesh, rules: Rules):
+    """The jitted train and eval steps of a run, for `state` and `base` as they lie on `mesh` (arrays, or
+    ShapeDtypeStructs with shardings when planning): the one definition used by training and `--plan`.
+
+    The train step donates the state; the batch is split as `jaxmodel.sharding.batch_sharding` says.
+    """
+    train_fn, eval_fn = build_steps(graphdef, schedule, tx, config.grad_accum, dropout=config.lora_dropout > 0)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    batch = batch_sharding(mesh, rules)
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    base_shardings = jax.tree.map(lambda x: x.sharding, base)
+    train_step = jax.jit(train_fn, in_shardings=(state_shardings, base_shardings, batch),
+                         out_shardings=(state_shardings, replicated), donate_argnums=0)
+    eval_step = jax.jit(eval_fn, in_shardings=(state_shardings.lora, base_shardings, batch), out_shardings=replicated)
     return train_step, eval_step
 
 

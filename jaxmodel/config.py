@@ -8,10 +8,12 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
+from jaxmodel.errors import UserError
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, UserError):
     """A config.json that is not a Llama 3.x config we can run; the message names the file and field."""
 
 

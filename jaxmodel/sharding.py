@@ -9,6 +9,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
+# The device mesh's axes, in mesh order: data parallel, fully sharded data parallel, model parallel.
+MESH_AXES = ("dp", "fsdp", "mp")
+# Logical axes of a batch of token rows `[batch, seq]` (input ids, targets, masks).
+BATCH_AXES = ("act_batch", "act_seq")
+
 # Weights are split over `fsdp` along the hidden ("embed") dimension and over `mp` along heads / MLP /
 # vocab, so that every matrix is split both ways on a full (fsdp, mp) mesh. The layer axis stays whole:
 # the scan walks it.
@@ -67,3 +72,24 @@ def constrain(x, axes: Sequence[str | None], rules: Rules = DEFAULT_RULES):
 
 def named_sharding(axes, shape, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
     return NamedSharding(mesh, partition_spec(axes, shape, mesh, rules))
+
+
+def batch_mesh_axes(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> tuple[str, ...]:
+    """The mesh axes a batch's rows are split over (from the `act_batch` rule)."""
+    found = dict(rules).get(BATCH_AXES[0])
+    names = (found,) if isinstance(found, str) else tuple(found or ())
+    return tuple(a for a in names if a in mesh.shape)
+
+
+def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+    """How a batch `[batch, seq]` lies on the mesh: rows split over `batch_mesh_axes`, each row whole
+    (callers check with `batch_ways` that the rows divide evenly)."""
+    return NamedSharding(mesh, PartitionSpec(batch_mesh_axes(mesh, rules) or None))
+
+
+def batch_ways(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> int:
+    """Into how many parts a batch's rows are split; every part must hold whole rows."""
+    ways = 1
+    for axis in batch_mesh_axes(mesh, rules):
+        ways *= mesh.shape[axis]
+    return ways

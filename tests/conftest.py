@@ -22,7 +22,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A small HF Llama directory (sharded safetensors, tokenizer) built once per session."""
-    from converter.tiny import build_tiny_llama
+    from demo.tiny import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny", max_shard_size=200_000)
 

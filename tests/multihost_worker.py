@@ -13,7 +13,8 @@ from jax.experimental import multihost_utils  # noqa: E402
 from finetune.config import TrainConfig  # noqa: E402
 from finetune.data import row_indices  # noqa: E402
 from finetune.step import loss_and_grads  # noqa: E402
-from finetune.train import _global_batch, setup  # noqa: E402
+from finetune.setup import setup  # noqa: E402
+from finetune.train import global_batch  # noqa: E402
 
 
 def main(model, data, out, port, process_id):
@@ -22,12 +23,12 @@ def main(model, data, out, port, process_id):
                          process_id=int(process_id)).validate()
     run = setup(config)
     assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
-    lora = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), run["state"].lora)
-    with jax.set_mesh(run["mesh"]):
-        batch = _global_batch(run["train_rows"], lambda lo, hi: row_indices(len(run["train_rows"]), 0, 0, 8, lo, hi),
-                              run["batch_sharding"], 8)
-        fn = jax.jit(lambda lora, base, batch: loss_and_grads(run["graphdef"], lora, base, batch))
-        loss, tokens, grads = fn(lora, run["base"], batch)
+    lora = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), run.state.lora)
+    with jax.set_mesh(run.mesh):
+        batch = global_batch(run.train_rows, lambda lo, hi: row_indices(len(run.train_rows), 0, 0, 8, lo, hi),
+                              run.batch_sharding, 8)
+        fn = jax.jit(lambda lora, base, batch: loss_and_grads(run.graphdef, lora, base, batch))
+        loss, tokens, grads = fn(lora, run.base, batch)
         gathered = multihost_utils.process_allgather((loss, tokens, grads), tiled=True)
     if jax.process_index() == 0:
         from flax import nnx

@@ -16,9 +16,10 @@ from safetensors.numpy import load_file
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
 from converter import ConversionError, convert, verify
-from converter.names import hf_to_jax, jax_to_hf
-from converter.tiny import build_tiny_llama
-from jaxmodel.checkpoint import MANIFEST, CheckpointError, load_pretrained
+from jaxmodel.formats.hf_names import hf_to_jax, jax_to_hf
+from demo.tiny import build_tiny_llama
+from jaxmodel import load_pretrained
+from jaxmodel.formats.checkpoint import MANIFEST, CheckpointError
 
 SMALL = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 8}
@@ -148,7 +149,7 @@ def test_verify_catches_a_flipped_byte(tmp_path, tiny_converted):
 
 def test_convert_with_verify_fails_on_a_corrupted_write_and_leaves_nothing(tmp_path, tiny_checkpoint,
                                                                            monkeypatch):
-    from jaxmodel.checkpoint import CheckpointWriter
+    from jaxmodel.formats.checkpoint_writer import CheckpointWriter
 
     real_finish = CheckpointWriter.finish
 
@@ -247,7 +248,7 @@ def test_safetensors_conversion_needs_no_torch(tmp_path, tiny_checkpoint):
     """A rocm/jax container has no torch: converting and loading safetensors must not import it."""
     result = run_without(("torch", "transformers", "peft"), (
         "from converter import convert\n"
-        "from jaxmodel.checkpoint import load_pretrained\n"
+        "from jaxmodel import load_pretrained\n"
         f"convert({str(tiny_checkpoint)!r}, {str(tmp_path / 'out')!r}, verify=True, progress=False)\n"
         f"load_pretrained({str(tmp_path / 'out')!r})\n"
         "print('ok')\n"

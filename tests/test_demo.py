@@ -2,7 +2,7 @@
 
 import pytest
 
-from export.demo import LOGIT_TOLERANCE, build_parser, run_demo
+from demo.cli import LOGIT_TOLERANCE, build_parser, run_demo
 
 
 def test_demo_pipeline_trains_and_peft_serves_the_same_model(tmp_path, capfd):
@@ -13,6 +13,7 @@ def test_demo_pipeline_trains_and_peft_serves_the_same_model(tmp_path, capfd):
     losses, scores = result["losses"], result["scores"]
     assert len(losses) == 40 and losses[-1] < 0.5 * losses[0]
     assert scores["n"] == 40
+    assert scores["adapted_accuracy"] > scores["base_accuracy"]
     assert scores["logit_diff"] <= LOGIT_TOLERANCE * max(1.0, scores["logit_max"])
     paths = result["paths"]
     assert (paths["adapter"] / "adapter_model.safetensors").is_file()
@@ -24,7 +25,7 @@ def test_demo_pipeline_trains_and_peft_serves_the_same_model(tmp_path, capfd):
 
 
 def test_reverse_words_holds_out_word_orders_never_trained_on():
-    from export.reverse_words import accuracy, split
+    from demo.reverse_words import accuracy, split
 
     train, test = split(seed=0, test_size=200)
     prompts = lambda rows: {r["messages"][0]["content"] for r in rows}
@@ -35,8 +36,20 @@ def test_reverse_words_holds_out_word_orders_never_trained_on():
     assert accuracy([" " + test[0]["messages"][1]["content"], "wrong"], test[:2]) == 0.5
 
 
+def test_demo_words_are_single_tokens_of_the_tiny_tokenizer(tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    from demo.reverse_words import WORDS
+    from demo.tiny import CORPUS_WORDS
+
+    assert set(WORDS) <= set(CORPUS_WORDS)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    for word in WORDS:
+        assert len(tokenizer.encode(" " + word, add_special_tokens=False)) == 1, word
+
+
 def test_the_demo_checkpoint_is_reused_only_when_built_the_same_way(tmp_path):
-    from export.demo import build_or_reuse_checkpoint
+    from demo.cli import build_or_reuse_checkpoint
 
     hf = tmp_path / "hf-llama"
     assert build_or_reuse_checkpoint(hf, seed=0, layers=1)
@@ -53,7 +66,7 @@ def test_the_demo_checkpoint_is_reused_only_when_built_the_same_way(tmp_path):
     (["--test-size", "3360"], "--test-size 3360 leaves no word orders to train on"),
 ])
 def test_bad_demo_options_are_one_line_errors(tmp_path, capsys, args, message):
-    from export.demo import main
+    from demo.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--out", str(tmp_path / "demo"), *args])

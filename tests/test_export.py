@@ -15,12 +15,12 @@ from safetensors.numpy import load_file
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
 from converter import convert
-from converter.tiny import build_tiny_llama
+from demo.tiny import build_tiny_llama
 from export.cli import main as export_main
-from export.peft import AdapterError, load_peft_adapter, save_peft_adapter
+from jaxmodel.formats.peft_adapter import AdapterError, load_peft_adapter, save_peft_adapter
 from finetune.config import TrainConfig
-from finetune.train import train
-from jaxmodel.checkpoint import load_pretrained
+from finetune.train import run_training
+from jaxmodel import load_pretrained
 from jaxmodel.layers import LoRAParam
 from jaxmodel.lora import ALL_TARGETS, LoraConfig, apply_lora
 
@@ -147,7 +147,7 @@ def run_dir(tiny_converted, tmp_path_factory):
     data = out.parent / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"add {i} + {i} =", "completion": f" {2 * i}"}) + "\n"
                             for i in range(32)))
-    train(TrainConfig(model=str(tiny_converted), data=str(data), out=str(out), steps=4, batch_size=8, seq_len=32,
+    run_training(TrainConfig(model=str(tiny_converted), data=str(data), out=str(out), steps=4, batch_size=8, seq_len=32,
                       dtype="float32", lr=1e-2, progress=False, checkpoint_every=2).validate())
     return out
 
@@ -185,12 +185,26 @@ def test_run_without_checkpoints_is_a_clear_error(tmp_path, run_dir, capsys):
     assert "no LoRA checkpoints" in capsys.readouterr().err
 
 
+def test_run_config_with_unknown_options_is_one_line(tmp_path, run_dir, capsys):
+    import shutil
+
+    odd = tmp_path / "odd"
+    shutil.copytree(run_dir, odd)
+    config = json.loads((odd / "run_config.json").read_text())
+    (odd / "run_config.json").write_text(json.dumps({**config, "warp_drive": True}))
+    assert export_main(["--run", str(odd), "--out", str(tmp_path / "adapter")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"export-peft: error: {odd / 'run_config.json'}: unknown option 'warp_drive' "
+                   "(written by another version of finetune-lora?)"]
+    assert not (tmp_path / "adapter").exists()
+
+
 def test_finetune_can_start_from_a_peft_adapter(tmp_path, run_dir, tiny_checkpoint, tiny_converted):
     hf = HFLlamaForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
     get_peft_model(hf, PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
                                       task_type="CAUSAL_LM")).save_pretrained(tmp_path / "peft")
     out = tmp_path / "run"
-    train(TrainConfig(model=str(tiny_converted), data=str(run_dir.parent / "train.jsonl"), out=str(out), steps=1,
+    run_training(TrainConfig(model=str(tiny_converted), data=str(run_dir.parent / "train.jsonl"), out=str(out), steps=1,
                       batch_size=8, seq_len=32, dtype="float32", lr=1e-9, progress=False,
                       init_adapter=str(tmp_path / "peft")).validate())
     recorded = json.loads((out / "run_config.json").read_text())
@@ -215,7 +229,7 @@ def test_merged_checkpoint_loads_in_transformers_with_the_lora_logits(tmp_path, 
     merged = HFLlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = merged(torch.tensor(IDS)).logits.numpy()
-    from export.run import load_run
+    from finetune.run_dir import load_run
 
     lora, config, _ = load_run(run_dir)
     model = load_pretrained(tiny_converted)
@@ -228,7 +242,7 @@ def test_merged_checkpoint_loads_in_transformers_with_the_lora_logits(tmp_path, 
 
 
 def test_bad_shard_size(tmp_path, run_dir, capsys):
-    assert export_main(["--run", str(run_dir), "--merge", str(tmp_path / "m"), "--max-shard-size", "lots"]) == 1
+    assert export_main(["--run", str(run_dir), "--merge", str(tmp_path / "m"), "--max-shard-size", "lots"]) == 2
     assert "--max-shard-size 'lots': expected a size" in capsys.readouterr().err
 
 

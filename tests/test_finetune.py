@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 from finetune.cli import main
 from finetune.config import TrainConfig
 from finetune.step import loss_and_grads
-from finetune.train import _global_batch, setup, train
+from finetune.setup import setup
+from finetune.train import global_batch, run_training
 from finetune.data import row_indices
 
 
@@ -46,19 +47,19 @@ def flat(state) -> dict[str, np.ndarray]:
 
 def test_only_lora_trains_and_the_loss_falls(tmp_path, tiny_converted, data_file):
     run = setup(config(tiny_converted, data_file, tmp_path / "run", steps=30, lr=1e-2, schedule="constant"))
-    base_before = flat(run["base"])
-    lora_before = flat(run["state"].lora)
+    base_before = flat(run.base)
+    lora_before = flat(run.state.lora)
     assert all(k.endswith(("lora_a", "lora_b")) for k in lora_before) and len(lora_before) == 14
     assert all(not np.any(v) for k, v in lora_before.items() if k.endswith("lora_b"))  # B starts at zero
-    state, losses = run["state"], []
-    with jax.set_mesh(run["mesh"]):
+    state, losses = run.state, []
+    with jax.set_mesh(run.mesh):
         for g in range(30):
-            batch = _global_batch(run["train_rows"], lambda lo, hi, g=g: row_indices(len(run["train_rows"]), 0, g % 2, 8,
-                                                                                    lo, hi), run["batch_sharding"], 8)
-            state, metrics = run["train_step"](state, run["base"], batch)
+            batch = global_batch(run.train_rows, lambda lo, hi, g=g: row_indices(len(run.train_rows), 0, g % 2, 8,
+                                                                                    lo, hi), run.batch_sharding, 8)
+            state, metrics = run.train_step(state, run.base, batch)
             losses.append(float(metrics["loss"]))
     assert losses[-1] < 0.2 * losses[0]  # memorising two batches
-    for name, value in flat(run["base"]).items():
+    for name, value in flat(run.base).items():
         np.testing.assert_array_equal(value, base_before[name], err_msg=name)  # bit-identical
     assert all(not np.array_equal(v, lora_before[k]) for k, v in flat(state.lora).items())
     # optimizer state covers LoRA parameters only
@@ -68,7 +69,7 @@ def test_only_lora_trains_and_the_loss_falls(tmp_path, tiny_converted, data_file
 
 def test_metrics_eval_loss_and_tensorboard(tmp_path, tiny_converted, data_file):
     out = tmp_path / "run"
-    summary = train(config(tiny_converted, data_file, out, steps=4, eval_fraction=0.25, eval_every=2))
+    summary = run_training(config(tiny_converted, data_file, out, steps=4, eval_fraction=0.25, eval_every=2))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
@@ -81,7 +82,7 @@ def test_metrics_eval_loss_and_tensorboard(tmp_path, tiny_converted, data_file):
 
 
 def test_training_with_lora_dropout(tmp_path, tiny_converted, data_file):
-    summary = train(config(tiny_converted, data_file, tmp_path / "run", steps=12, lr=1e-2, lora_dropout=0.1,
+    summary = run_training(config(tiny_converted, data_file, tmp_path / "run", steps=12, lr=1e-2, lora_dropout=0.1,
                            schedule="constant"))
     assert summary.steps == 12 and summary.last_loss < 0.7 * summary.first_loss
 
@@ -89,12 +90,12 @@ def test_training_with_lora_dropout(tmp_path, tiny_converted, data_file):
 def grads_on(tiny_converted, data_file, tmp_path, mesh: str, devices, grad_accum=1):
     run = setup(config(tiny_converted, data_file, tmp_path / "run", mesh=mesh, grad_accum=grad_accum), devices=devices)
     # LoRA B made non-zero so that gradients reach A too
-    lora = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), run["state"].lora)
-    with jax.set_mesh(run["mesh"]):
-        batch = _global_batch(run["train_rows"], lambda lo, hi: row_indices(len(run["train_rows"]), 0, 0, 8, lo, hi),
-                              run["batch_sharding"], 8)
-        fn = jax.jit(lambda lora, base, batch: loss_and_grads(run["graphdef"], lora, base, batch, grad_accum))
-        loss, tokens, grads = fn(lora, run["base"], batch)
+    lora = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), run.state.lora)
+    with jax.set_mesh(run.mesh):
+        batch = global_batch(run.train_rows, lambda lo, hi: row_indices(len(run.train_rows), 0, 0, 8, lo, hi),
+                              run.batch_sharding, 8)
+        fn = jax.jit(lambda lora, base, batch: loss_and_grads(run.graphdef, lora, base, batch, grad_accum))
+        loss, tokens, grads = fn(lora, run.base, batch)
     return float(loss), float(tokens), flat(grads)
 
 
@@ -115,20 +116,20 @@ def test_same_loss_and_grads_on_every_mesh(tmp_path, tiny_converted, data_file, 
 
 def test_lora_state_is_sharded_like_its_base_weight(tmp_path, tiny_converted, data_file):
     run = setup(config(tiny_converted, data_file, tmp_path / "run", mesh="dp=1,fsdp=4,mp=2"))
-    attn = run["model"].layers.self_attn
+    attn = run.model.layers.self_attn
     assert attn.q_proj.weight[...].sharding.spec == P(None, "mp", "fsdp")
-    assert run["state"].lora["layers"]["self_attn"]["q_proj"]["lora_a"][...].sharding.spec == P(None, "fsdp", None)
+    assert run.state.lora["layers"]["self_attn"]["q_proj"]["lora_a"][...].sharding.spec == P(None, "fsdp", None)
     # B's output axis follows the weight's (mp); its rank axis carries the fsdp split
-    assert run["state"].lora["layers"]["self_attn"]["q_proj"]["lora_b"][...].sharding.spec == P(None, "fsdp", "mp")
-    mu = run["state"].opt_state[1][0].mu["layers"]["self_attn"]["q_proj"]["lora_a"][...]
+    assert run.state.lora["layers"]["self_attn"]["q_proj"]["lora_b"][...].sharding.spec == P(None, "fsdp", "mp")
+    mu = run.state.opt_state[1][0].mu["layers"]["self_attn"]["q_proj"]["lora_a"][...]
     assert mu.sharding.spec == P(None, "fsdp", None)
 
 
 def test_resume_continues_exactly(tmp_path, tiny_converted, data_file):
     straight = config(tiny_converted, data_file, tmp_path / "straight", steps=10, checkpoint_every=5)
-    train(straight)
-    train(config(tiny_converted, data_file, tmp_path / "resumed", steps=10, checkpoint_every=5, stop_after=5))
-    train(config(tiny_converted, data_file, tmp_path / "resumed", steps=10, checkpoint_every=5, resume=True))
+    run_training(straight)
+    run_training(config(tiny_converted, data_file, tmp_path / "resumed", steps=10, checkpoint_every=5, stop_after=5))
+    run_training(config(tiny_converted, data_file, tmp_path / "resumed", steps=10, checkpoint_every=5, resume=True))
     a = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in b] == list(range(1, 11))
@@ -136,9 +137,9 @@ def test_resume_continues_exactly(tmp_path, tiny_converted, data_file):
     from finetune.checkpoints import RunCheckpoints
 
     run = setup(straight)
-    with jax.set_mesh(run["mesh"]):
-        sa, meta_a = RunCheckpoints(tmp_path / "straight" / "checkpoints", 3).restore(run["state"])
-        sb, meta_b = RunCheckpoints(tmp_path / "resumed" / "checkpoints", 3).restore(run["state"])
+    with jax.set_mesh(run.mesh):
+        sa, meta_a = RunCheckpoints(tmp_path / "straight" / "checkpoints", 3).restore(run.state)
+        sb, meta_b = RunCheckpoints(tmp_path / "resumed" / "checkpoints", 3).restore(run.state)
     assert meta_a == meta_b == {"data_position": 10, "step": 10}
     for name, value in flat(sa.lora).items():
         np.testing.assert_array_equal(value, flat(sb.lora)[name], err_msg=name)

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from finetune.data import DataError, Example, build_rows, read_rows, row_indices, tokenize
-from jaxmodel.checkpoint import load_pretrained
+from jaxmodel import load_pretrained
 
 
 @pytest.fixture(scope="module")

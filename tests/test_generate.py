@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
-from jaxmodel.checkpoint import load_pretrained
-from jaxmodel.generate import generate
+from jaxmodel import load_pretrained
+from jaxmodel import generate
 
 
 @pytest.fixture(scope="module")

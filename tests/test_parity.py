@@ -16,7 +16,7 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
 from converter import convert
-from jaxmodel.checkpoint import load_pretrained
+from jaxmodel import load_pretrained
 from jaxmodel.rope import RopeConfig
 
 # float32: 1e-4 absolute for logits up to 1 in size, relative beyond. Rounding error grows with the

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from finetune.cli import main
 from finetune.config import TrainConfig
-from finetune.plan import plan
+from finetune.planning import plan
 
 LLAMA_405B = Path(__file__).parent / "data" / "llama-3.1-405b-config.json"  # meta-llama/Llama-3.1-405B's config.json
 
@@ -41,3 +41,10 @@ def test_cli_plan_on_a_small_model_reports_and_exits_by_verdict(tmp_path, capsys
 def test_plan_without_a_config_is_an_error(capsys):
     assert main(["--plan", "--mesh", "dp=1,fsdp=8,mp=1"]) == 2
     assert "--plan needs --model-config" in capsys.readouterr().err
+
+
+def test_plan_with_a_missing_config_file_is_one_line(tmp_path, capsys):
+    missing = tmp_path / "nope.json"
+    assert main(["--plan", "--model-config", str(missing), "--mesh", "dp=1,fsdp=8,mp=1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"finetune-lora: error: {missing}: not found (expected a HuggingFace Llama config.json)"]

@@ -10,7 +10,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from jaxmodel.config import LlamaConfig
 from jaxmodel.rope import inv_freq
 
-REAL = {  # (head_dim, rope) of the Llama 3.x family, reference.md
+REAL = {  # (head_dim, rope) of the Llama 3.x family, from their published config.json files
     "3.1-8B/70B/405B": (128, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     "3.2-1B": (64, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,

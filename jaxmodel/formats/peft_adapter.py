@@ -1,6 +1,6 @@
-"""PEFT LoRA adapters on disk: write ours for `PeftModel.from_pretrained`, and read PEFT's into the JAX model.
+"""The PEFT LoRA adapter format: write ours for `PeftModel.from_pretrained`, and read PEFT's into the JAX model.
 
-Key names come from the converter's name table (`converter.names.hf_module`): `base_model.model.` + the
+Key names come from the HF name table (`jaxmodel.formats.hf_names.hf_module`): `base_model.model.` + the
 HF module + `.lora_A.weight` / `.lora_B.weight`. PEFT stores `lora_A: [r, in]` and `lora_B: [out, r]`;
 the JAX model keeps `A: [in, r]`, `B: [r, out]`, so each is transposed (they are small).
 PEFT loads adapters with `strict=False`, silently skipping unknown keys: the tests compare outputs.
@@ -15,21 +15,22 @@ from typing import Any, Mapping
 import numpy as np
 from flax import nnx
 
-from converter.names import hf_module
-from jaxmodel.atomic import atomic_directory
+from jaxmodel.errors import UserError
+from jaxmodel.formats.atomic import atomic_directory
+from jaxmodel.formats.hf_names import hf_module
 from jaxmodel.lora import LoraConfig, apply_lora, target_linears
-from jaxmodel.safetensors_file import DTYPES
+from jaxmodel.formats.safetensors_file import DTYPES
 
 PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-# The adapter_config.json field set of the PEFT release these files were checked against (reference.md).
+# The PEFT release whose adapter_config.json field set adapter_config() writes (tests compare with its own).
 PEFT_VERSION = "0.21.2"
 EXPORT_DTYPES = {"float32": DTYPES["F32"], "bfloat16": DTYPES["BF16"], "float16": DTYPES["F16"]}
 
 
-class AdapterError(ValueError):
-    """An adapter or run this toolkit cannot use; the message names the file/field and what was expected."""
+class AdapterError(ValueError, UserError):
+    """An adapter this toolkit cannot use; the message names the file/field and what was expected."""
 
 
 def peft_tensors(lora: nnx.State, dtype=np.float32) -> dict[str, np.ndarray]:

@@ -2,7 +2,7 @@
 random-weight Llama in a few minutes of CPU, and one that generalises: the test prompts are word orders
 the training set never contains.
 
-    python -m export.reverse_words --out DIR   # writes DIR/train.jsonl and DIR/test.jsonl (chat rows)
+    python -m demo.reverse_words --out DIR   # writes DIR/train.jsonl and DIR/test.jsonl (chat rows)
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# Each is a single token of converter.tiny's tokenizer (with its leading space).
+# Sixteen of demo.tiny.CORPUS_WORDS, each a single token of its tokenizer with its leading space
+# (tests/test_demo.py checks both).
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "answer", "question", "llama", "model", "train",
          "token", "sum", "what")
 INSTRUCTION = "reverse: "
@@ -58,7 +59,7 @@ def accuracy(outputs: Sequence[str], rows: Sequence[dict[str, Any]]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m export.reverse_words", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m demo.reverse_words", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for train.jsonl and test.jsonl")
     parser.add_argument("--seed", type=int, default=0, help="shuffle seed of the train/test split (default: 0)")

@@ -16,17 +16,17 @@ import numpy as np
 
 from converter.errors import ConversionError
 from converter.hub import resolve_source
-from converter.names import IGNORED, hf_to_jax, is_stacked, jax_to_hf
-from converter.sources import SourceTensor, close_file, iter_chunks, list_tensors, open_file
-from jaxmodel.atomic import atomic_directory
-from jaxmodel.checkpoint import MANIFEST, CheckpointError, CheckpointWriter, param_specs, verify_checkpoint
-from jaxmodel.config import ConfigError, LlamaConfig
-from jaxmodel.safetensors_file import DTYPES
+from jaxmodel.formats.hf_names import IGNORED, hf_to_jax, is_stacked, jax_to_hf
+from jaxmodel.formats.hf_checkpoint import (AUX_FILES, HFCheckpointError, SourceTensor, close_file, iter_chunks,
+                                            list_tensors, open_file)
+from jaxmodel.formats.atomic import atomic_directory
+from jaxmodel.formats.checkpoint import CheckpointError, param_specs, verify_checkpoint
+from jaxmodel.formats.checkpoint_writer import CheckpointWriter
+from jaxmodel.formats.markers import CONVERTED_CHECKPOINT, directory_kind
+from jaxmodel.config import LlamaConfig
+from jaxmodel.formats.safetensors_file import DTYPES
 
 DTYPE_CHOICES = {"keep": None, "bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"], "float16": DTYPES["F16"]}
-# Files copied beside the weights, so that the converted directory serves as the model's home.
-AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-             "special_tokens_map.json", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,13 +62,9 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "keep", revision: 
     out = Path(out)
     _check_destination(out, overwrite)
     source_dir = resolve_source(str(src), revision)
-    try:
-        config = LlamaConfig.from_hf(source_dir)
-    except ConfigError as e:
-        raise ConversionError(str(e)) from None
+    config = LlamaConfig.from_hf(source_dir)
     kind, tensors = list_tensors(source_dir)
     plan = _plan(config, tensors, source_dir, DTYPE_CHOICES[dtype])
-
     try:
         with atomic_directory(out, "converting") as tmp:
             total = _copy(plan, tensors, kind, tmp, progress)
@@ -77,9 +73,11 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "keep", revision: 
                     shutil.copyfile(source_dir / name, tmp / name)
             if verify:
                 verify_checkpoint(tmp)
-    except CheckpointError as e:  # name the destination, not the temporary directory
+    except (CheckpointError, HFCheckpointError) as e:  # name the destination, not the temporary directory
         raise ConversionError(re.sub(rf"{re.escape(str(out.parent))}/\.{re.escape(out.name)}\.converting-\d+",
                                      str(out), str(e))) from None
+    except OSError as e:  # the disk or filesystem refused: nothing is left at `out`
+        raise ConversionError(f"{e.filename or out}: {e.strerror or e}") from None
     return ConversionSummary(out, len(plan.sources), total, time.perf_counter() - start)
 
 
@@ -163,5 +161,5 @@ def _check_destination(out: Path, overwrite: bool) -> None:
         raise ConversionError(f"--out {out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ConversionError(f"--out {out}: exists and is not empty (pass --overwrite to replace it)")
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+    if out.is_dir() and any(out.iterdir()) and directory_kind(out) != CONVERTED_CHECKPOINT:
         raise ConversionError(f"--out {out}: holds files that are not a converted checkpoint; refusing to replace it")

@@ -1,6 +1,6 @@
 """Build small HuggingFace Llama checkpoints locally: random weights from a seed, and a tokenizer trained
-here with `tokenizers`, so the directory looks exactly like a hub model. For demos, tests and benchmarks
-(nothing can be downloaded on these machines). Needs the `[torch]` extra.
+on the spot with `tokenizers`, so the directory looks exactly like a hub model, with nothing downloaded. For the
+demo, tests and benchmarks. Needs the `[torch]` extra.
 """
 
 from __future__ import annotations
@@ -95,10 +95,15 @@ def _save_bin(model, out: Path, max_shard_size: str | int | None) -> None:
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
+# The tokenizer's training words: each is frequent enough in the corpus to become one token (with its leading
+# space), which the demo's task relies on (demo/reverse_words.py picks its words from here).
+CORPUS_WORDS = tuple(("the quick brown fox jumps over lazy dog reverse these words add numbers answer question user "
+                      "assistant system llama model train token sum of and is what please a an to in on with").split())
+
+
 def training_corpus() -> list[str]:
     """A small deterministic English-like corpus with numbers, for training the tokenizer."""
-    words = ("the quick brown fox jumps over lazy dog reverse these words add numbers answer question user "
-             "assistant system llama model train token sum of and is what please a an to in on with").split()
+    words = CORPUS_WORDS
     lines = []
     for i in range(400):
         picked = [words[(i * 7 + j * 13) % len(words)] for j in range(8)]
@@ -107,7 +112,7 @@ def training_corpus() -> list[str]:
 
 
 def save_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> None:
-    """Train a byte-level BPE tokenizer here and save it as tokenizer.json + tokenizer_config.json."""
+    """Train a byte-level BPE tokenizer on the corpus and save it as tokenizer.json + tokenizer_config.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

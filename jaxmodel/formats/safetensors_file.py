@@ -18,6 +18,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from jaxmodel.errors import UserError
+
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
     "F32": np.dtype(np.float32),
@@ -34,7 +36,7 @@ DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024  # the limit the safetensors package itself enforces
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(ValueError, UserError):
     """A file that is not a complete, well-formed safetensors file; the message names the file."""
 
 

@@ -1,7 +1,7 @@
 """`llama-jax-demo`: the toolkit's main job end to end, on a laptop-class machine.
 
   1. build (or reuse) a small Llama checkpoint in HF format: seeded random weights, a tokenizer trained
-     here with `tokenizers` (with a chat template), so the directory looks like a hub model;
+     on the spot with `tokenizers` (with a chat template), so the directory looks like a hub model;
   2. convert-llama it;
   3. write a dataset that teaches reversing three words (held-out word orders for testing);
   4. finetune-lora on simulated CPU devices with a dp x fsdp x mp mesh;
@@ -26,7 +26,7 @@ import time
 import warnings
 from pathlib import Path
 
-from export.reverse_words import WORDS, accuracy, write_dataset
+from demo.reverse_words import WORDS, accuracy, write_dataset
 
 # The demo model: small enough to train in minutes on 2 cores, big enough to learn the task.
 DEMO_MODEL = {"hidden_size": 128, "intermediate_size": 320, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -139,7 +139,7 @@ def build_or_reuse_checkpoint(hf_dir: Path, *, seed: int, layers: int, rebuild: 
     if not rebuild and (hf_dir / "config.json").exists() and recipe_file.exists() \
             and json.loads(recipe_file.read_text()) == recipe:
         return False
-    from converter.tiny import build_tiny_llama
+    from demo.tiny import build_tiny_llama
 
     shutil.rmtree(hf_dir, ignore_errors=True)
     recipe_file.unlink(missing_ok=True)
@@ -201,9 +201,8 @@ def compare_with_peft(hf_dir: Path, jax_dir: Path, adapter_dir: Path, test_file:
     from tqdm import tqdm
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from export.peft import load_peft_adapter
     from finetune.data import read_rows
-    from jaxmodel.checkpoint import load_pretrained
+    from jaxmodel import load_peft_adapter, load_pretrained
 
     rows = [row for _, row in read_rows(test_file)]
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, padding_side="left")

@@ -1,4 +1,5 @@
-"""Read a HuggingFace checkpoint tensor by tensor: safetensors (single or sharded) or torch `.bin`.
+"""The HuggingFace checkpoint directory: its weight files (safetensors, single or sharded with an index, or
+torch `.bin`), the auxiliary files beside them, and reading it tensor by tensor.
 
 A source lists its tensors (name, dtype, shape, file) from headers alone, then streams each tensor's
 bytes in bounded chunks, one file at a time, so host memory never holds more than a chunk (safetensors)
@@ -15,8 +16,8 @@ from typing import Iterator
 
 import numpy as np
 
-from converter.errors import ConversionError
-from jaxmodel.safetensors_file import SafetensorsError, read_header
+from jaxmodel.errors import UserError
+from jaxmodel.formats.safetensors_file import SafetensorsError, read_header
 
 CHUNK_BYTES = 64 << 20
 
@@ -24,6 +25,15 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
 BIN_INDEX = "pytorch_model.bin.index.json"
 BIN_SINGLE = "pytorch_model.bin"
+WEIGHT_FILES = (SAFETENSORS_SINGLE, SAFETENSORS_INDEX, BIN_SINGLE, BIN_INDEX)
+# Files a HF model directory holds beside its weights (config, generation config, tokenizer, chat template);
+# copied along wherever a tool writes a directory meant to serve as the model's home.
+AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+
+
+class HFCheckpointError(ValueError, UserError):
+    """A HF checkpoint that cannot be read; the message names the file and what is wrong."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +56,7 @@ def find_weight_files(directory: Path) -> tuple[str, list[Path], dict[str, str] 
             return kind, [directory / name for name in sorted(set(weight_map.values()))], weight_map
         if (directory / single).is_file():
             return kind, [directory / single], None
-    raise ConversionError(
+    raise HFCheckpointError(
         f"{directory}: no checkpoint found (expected {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, "
         f"{BIN_SINGLE} or {BIN_INDEX})"
     )
@@ -57,10 +67,10 @@ def _read_index(index: Path) -> dict[str, str]:
         weight_map = json.loads(index.read_text())["weight_map"]
         shards = set(weight_map.values())
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-        raise ConversionError(f"{index}: malformed index (expected {{\"weight_map\": {{name: file}}}})") from None
+        raise HFCheckpointError(f"{index}: malformed index (expected {{\"weight_map\": {{name: file}}}})") from None
     for name in sorted(shards):
         if not isinstance(name, str) or not (index.parent / name).is_file():
-            raise ConversionError(f"{index}: lists shard '{name}', which is missing from {index.parent}")
+            raise HFCheckpointError(f"{index}: lists shard '{name}', which is missing from {index.parent}")
     return weight_map
 
 
@@ -74,7 +84,7 @@ def list_tensors(directory: Path) -> tuple[str, list[SourceTensor]]:
         found = {t.name: t.file.name for t in tensors}
         for name, shard in index_map.items():
             if found.get(name) != shard:
-                raise ConversionError(f"{directory / shard}: does not hold '{name}', which the index places there")
+                raise HFCheckpointError(f"{directory / shard}: does not hold '{name}', which the index places there")
     return kind, tensors
 
 
@@ -82,7 +92,7 @@ def _safetensors_listing(file: Path) -> list[SourceTensor]:
     try:
         locations, _ = read_header(file)
     except SafetensorsError as e:
-        raise ConversionError(str(e)) from None
+        raise HFCheckpointError(str(e)) from None
     return [SourceTensor(loc.name, file, loc.dtype, loc.shape, loc.offset)
             for loc in sorted(locations.values(), key=lambda loc: loc.offset)]
 
@@ -127,7 +137,7 @@ def _pread_exact(fd: int, view: memoryview, offset: int, file: Path) -> None:
     while done < view.nbytes:
         n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
-            raise ConversionError(f"{file}: truncated while reading (file changed during conversion?)")
+            raise HFCheckpointError(f"{file}: truncated while reading (file changed during conversion?)")
         done += n
 
 
@@ -135,16 +145,16 @@ def _torch_load(file: Path) -> dict:
     try:
         import torch
     except ImportError:
-        raise ConversionError(
+        raise HFCheckpointError(
             f"{file}: a PyTorch pickle checkpoint; reading it needs torch (pip install 'llama-jax[torch]'), "
             "or convert from safetensors"
         ) from None
     try:
         state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
     except Exception as e:  # torch raises several types for a bad pickle or zip
-        raise ConversionError(f"{file}: cannot be read as a PyTorch checkpoint ({type(e).__name__})") from None
+        raise HFCheckpointError(f"{file}: cannot be read as a PyTorch checkpoint ({type(e).__name__})") from None
     if not isinstance(state, dict):
-        raise ConversionError(f"{file}: expected a state dict of tensors, found {type(state).__name__}")
+        raise HFCheckpointError(f"{file}: expected a state dict of tensors, found {type(state).__name__}")
     return state
 
 
@@ -155,7 +165,7 @@ def _numpy_dtype(tensor, file: Path, name: str) -> np.dtype:
     table = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16,
              torch.float64: np.float64}
     if not isinstance(tensor, torch.Tensor) or tensor.dtype not in table:
-        raise ConversionError(f"{file}: '{name}' is not a floating-point tensor")
+        raise HFCheckpointError(f"{file}: '{name}' is not a floating-point tensor")
     return np.dtype(table[tensor.dtype])
 
 

@@ -18,14 +18,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from finetune.config import ConfigFileError, TrainConfig
+from finetune.config import TrainConfig
+from finetune.memory import per_device_bytes, sharding_table
 from finetune.mesh import make_mesh
-from finetune.step import TrainState, build_steps, make_optimizer, optimizer_shardings, split_model
-from finetune.train import DTYPES, check_batch_split
+from finetune.setup import check_batch_split, check_seq_len
+from finetune.step import BATCH_KEYS, DTYPES, TrainState, jit_steps, make_optimizer, optimizer_shardings, split_model
 from jaxmodel.config import LlamaConfig
 from jaxmodel.lora import apply_lora
 from jaxmodel.model import LlamaForCausalLM
-from jaxmodel.sharding import DEFAULT_RULES, named_sharding
+from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, named_sharding
 
 GB = 1e9
 
@@ -69,29 +70,6 @@ def _param_dtype(config: TrainConfig, raw: dict):
     return DTYPES.get(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16", jnp.bfloat16)
 
 
-def sharding_table(*trees) -> list[str]:
-    """One line per parameter: path, shape, dtype, PartitionSpec, bytes on one device."""
-    lines = [f"{'parameter':<44} {'shape':<22} {'dtype':<9} {'spec':<30} {'MB/device':>10}"]
-    for tree in trees:
-        for path, var in nnx.to_flat_state(tree):
-            value = var.get_value() if hasattr(var, "get_value") else var[...]
-            shard = value.sharding.shard_shape(value.shape)
-            mb = math.prod(shard) * jnp.dtype(value.dtype).itemsize / 1e6
-            name = ".".join(map(str, path))
-            lines.append(f"{name:<44} {str(tuple(value.shape)):<22} {jnp.dtype(value.dtype).name:<9} "
-                         f"{str(value.sharding.spec):<30} {mb:10.1f}")
-    return lines
-
-
-def per_device_bytes(tree) -> float:
-    """Bytes one device holds of a tree of arrays / ShapeDtypeStructs with shardings (the largest shard)."""
-    total = 0.0
-    for leaf in jax.tree.leaves(tree):
-        shard = leaf.sharding.shard_shape(leaf.shape)
-        total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
-    return total
-
-
 def _abstract_on(tree, mesh, rules):
     def lay(var):
         sharding = named_sharding(var.get_metadata()["axes"], var.shape, mesh, rules)
@@ -102,13 +80,11 @@ def _abstract_on(tree, mesh, rules):
 
 def plan(config: TrainConfig) -> PlanReport:
     source = Path(config.model_config or config.model)
+    llama = LlamaConfig.from_hf(source)  # a clear error for a missing or malformed config
     raw = json.loads((source / "config.json" if source.is_dir() else source).read_text())
-    llama = LlamaConfig.from_hf(source)
-    if config.seq_len > llama.max_position_embeddings:
-        raise ConfigFileError(f"--seq-len {config.seq_len} exceeds the model's max_position_embeddings "
-                              f"({llama.max_position_embeddings})")
+    check_seq_len(config, llama)
     mesh = make_mesh(config.mesh)
-    check_batch_split(config, mesh)
+    check_batch_split(config, mesh, DEFAULT_RULES)
     dtype, param_dtype = DTYPES[config.dtype], _param_dtype(config, raw)
     start = time.perf_counter()
     compiled, trees = _compile(config, llama, mesh, dtype, param_dtype)
@@ -152,14 +128,10 @@ def _compile(config: TrainConfig, llama: LlamaConfig, mesh, dtype, param_dtype):
         key = jax.eval_shape(lambda: jax.random.key(0))
         state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), lora, opt_state,
                            jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated))
-        batch_sharding = NamedSharding(mesh, PartitionSpec(("dp", "fsdp")))
         shape = (config.batch_size, config.seq_len)
-        batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32, sharding=batch_sharding)
-                 for k in ("input_ids", "targets", "loss_mask", "segment_ids", "positions")}
-        train_fn, _ = build_steps(graphdef, schedule, tx, config.grad_accum, dropout=config.lora_dropout > 0)
-        state_shardings = jax.tree.map(lambda x: x.sharding, state)
-        step = jax.jit(train_fn, in_shardings=(state_shardings, jax.tree.map(lambda x: x.sharding, base),
-                                               batch_sharding),
-                       out_shardings=(state_shardings, replicated), donate_argnums=0)
-        compiled = step.lower(state, base, batch).compile()
+        batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
+                                         sharding=batch_sharding(mesh, DEFAULT_RULES))
+                 for k in BATCH_KEYS}
+        train_step, _ = jit_steps(graphdef, config, tx, schedule, state, base, mesh, DEFAULT_RULES)
+        compiled = train_step.lower(state, base, batch).compile()
     return compiled, {"base": base, "lora": lora, "opt_state": opt_state, "batch": batch}

@@ -1,0 +1,32 @@
+"""What a tree of sharded arrays costs each device: a per-parameter table and a byte count."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def sharding_table(*trees) -> list[str]:
+    """One line per parameter: path, shape, dtype, PartitionSpec, bytes on one device."""
+    lines = [f"{'parameter':<44} {'shape':<22} {'dtype':<9} {'spec':<30} {'MB/device':>10}"]
+    for tree in trees:
+        for path, var in nnx.to_flat_state(tree):
+            value = var.get_value() if hasattr(var, "get_value") else var[...]
+            shard = value.sharding.shard_shape(value.shape)
+            mb = math.prod(shard) * jnp.dtype(value.dtype).itemsize / 1e6
+            name = ".".join(map(str, path))
+            lines.append(f"{name:<44} {str(tuple(value.shape)):<22} {jnp.dtype(value.dtype).name:<9} "
+                         f"{str(value.sharding.spec):<30} {mb:10.1f}")
+    return lines
+
+
+def per_device_bytes(tree) -> float:
+    """Bytes one device holds of a tree of arrays / ShapeDtypeStructs with shardings (the largest shard)."""
+    total = 0.0
+    for leaf in jax.tree.leaves(tree):
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
+    return total

@@ -1,0 +1,114 @@
+"""The converted checkpoint format: its layout, manifest, per-slice checksums, and verification.
+
+Layout (docs/design.md, "Checkpoint format"):
+
+    config.json                  the HF config, verbatim (plus generation/tokenizer files)
+    jax_checkpoint.json          manifest: format, and per parameter its file, shape, dtype, crc32s
+    params/<path>.safetensors    one tensor per parameter, named by its NNX path (`layers.mlp.up_proj.weight`),
+                                 torch layout; per-layer parameters stacked on a leading [layers] axis
+
+Each stacked parameter records one crc32 per layer slice, so a writer (`checkpoint_writer.py`) can fill
+slices in any order and a reader can check exactly what it read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Mapping
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxmodel.config import LlamaConfig
+from jaxmodel.errors import UserError
+from jaxmodel.formats.io import ShortFileError, crc32_of_range
+from jaxmodel.formats.safetensors_file import DTYPES, SafetensorsError, TensorLocation, read_header
+from jaxmodel.model import LlamaForCausalLM
+
+MANIFEST = "jax_checkpoint.json"
+FORMAT = "jaxmodel-safetensors"
+FORMAT_VERSION = 1
+DTYPES_BY_NAME = {dtype.name: dtype for dtype in DTYPES.values()}
+
+
+class CheckpointError(ValueError, UserError):
+    """A directory that is not a complete converted checkpoint; the message names the file and what is wrong."""
+
+
+def param_specs(config: LlamaConfig, param_dtype=jnp.float32) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """Every parameter of the model for `config`: NNX path -> (shape, logical axes). No weights are made."""
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    return {
+        ".".join(map(str, path)): (tuple(var.shape), var.get_metadata()["axes"])
+        for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param))
+    }
+
+
+def file_for(path: str) -> str:
+    return f"params/{path}.safetensors"
+
+
+def read_manifest(directory: str | Path) -> dict:
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: not a converted checkpoint (no {MANIFEST}; run convert-llama first)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e.msg})") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format {manifest.get('format')!r} v{manifest.get('version')}, expected {FORMAT!r} v{FORMAT_VERSION}"
+        )
+    return manifest
+
+
+def _locate(directory: Path, path: str, entry: Mapping) -> tuple[Path, TensorLocation]:
+    """The file and byte range of one stored parameter, checked against its manifest entry."""
+    file = directory / entry["file"]
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing (listed in {MANIFEST} for '{path}')")
+    try:
+        locations, _ = read_header(file)
+    except SafetensorsError as e:
+        raise CheckpointError(str(e)) from None
+    loc = locations.get(path)
+    if loc is None or list(loc.shape) != list(entry["shape"]) or loc.dtype.name != entry["dtype"]:
+        raise CheckpointError(f"{file}: does not hold '{path}' as {entry['dtype']}{entry['shape']}")
+    return file, loc
+
+
+def open_tensor(directory: Path, path: str, entry: Mapping) -> np.memmap:
+    """A read-only memory map of one stored parameter."""
+    file, loc = _locate(directory, path, entry)
+    return np.memmap(file, dtype=loc.dtype, mode="r", offset=loc.offset, shape=loc.shape)
+
+
+def verify_checkpoint(directory: str | Path) -> int:
+    """Re-read every stored byte and check it against the manifest's crc32s; returns bytes checked."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    checked = 0
+    for path, entry in manifest["tensors"].items():
+        file, loc = _locate(directory, path, entry)
+        step = loc.nbytes // len(entry["crc32"])
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            for index, expected in enumerate(entry["crc32"]):
+                try:
+                    actual = crc32_of_range(fd, loc.offset + index * step, step)
+                except ShortFileError as e:
+                    raise CheckpointError(f"{file}: {e}") from None
+                if actual != expected:
+                    where = f" layer {index}" if entry.get("stacked") else ""
+                    raise CheckpointError(f"{file}: checksum mismatch in '{path}'{where}")
+        finally:
+            os.close(fd)
+        checked += loc.nbytes
+    return checked
+
+

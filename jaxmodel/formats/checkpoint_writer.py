@@ -1,0 +1,106 @@
+"""Writes a converted checkpoint slice by slice: every parameter file created up front (header written,
+data region sized), slices filled in any order with their crc32s, the manifest written last."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from jaxmodel.formats.checkpoint import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointError, file_for
+from jaxmodel.formats.io import copy_range, crc32_of_range, pwrite_all
+from jaxmodel.formats.safetensors_file import TensorLocation, write_header
+
+
+class CheckpointWriter:
+    """Creates every parameter file up front (header written, data region sized), then takes slices.
+
+    `slices` of a parameter is its leading-axis length for stacked parameters, else 1.
+    """
+
+    def __init__(self, directory: Path, tensors: Mapping[str, tuple[tuple[int, ...], np.dtype, bool]]):
+        self.directory = directory
+        (directory / "params").mkdir(parents=True, exist_ok=True)
+        self._entries: dict[str, dict] = {}
+        self._checksummer = ThreadPoolExecutor(1, thread_name_prefix="crc32")
+        self._fds: dict[str, int] = {}
+        self._locations: dict[str, TensorLocation] = {}
+        for path, (shape, dtype, stacked) in tensors.items():
+            fd = os.open(directory / file_for(path), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fds[path] = fd
+            self._locations[path] = write_header(fd, [(path, np.dtype(dtype), shape)], {"format": "np"})[path]
+            n = shape[0] if stacked else 1
+            self._entries[path] = {"file": file_for(path), "shape": list(shape), "dtype": np.dtype(dtype).name,
+                                   "stacked": stacked, "crc32": [None] * n}
+
+    def slice_nbytes(self, path: str) -> int:
+        entry = self._entries[path]
+        return self._locations[path].nbytes // len(entry["crc32"])
+
+    def write_slice(self, path: str, index: int, chunks: Iterable[memoryview | bytes]) -> int:
+        """Write slice `index` of `path` from `chunks` (in order); returns the bytes written."""
+        expected = self.slice_nbytes(path)
+        fd, offset = self._fds[path], self._locations[path].offset + index * expected
+        written, crc = 0, 0
+        for chunk in chunks:
+            n = len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
+            if written + n > expected:
+                raise CheckpointError(f"{path}[{index}]: more than the {expected} bytes its shape holds")
+            pwrite_all(fd, chunk, offset + written)
+            crc = zlib.crc32(chunk, crc)
+            written += n
+        if written != expected:
+            raise CheckpointError(f"{path}[{index}]: got {written} bytes, its shape holds {expected}")
+        self._entries[path]["crc32"][index] = crc
+        return written
+
+    def copy_slice(self, path: str, index: int, src_fd: int, src_offset: int) -> int:
+        """Write slice `index` of `path` from the bytes at `src_offset` of another open file, unchanged.
+
+        The kernel copies (`copy_file_range`, as fast as `cp`) while a second thread checksums the same
+        bytes from the page cache; where the kernel cannot copy between these files, chunks go through
+        user space instead. Returns the bytes written.
+        """
+        nbytes = self.slice_nbytes(path)
+        crc = self._checksummer.submit(crc32_of_range, src_fd, src_offset, nbytes)
+        dst_fd, dst_offset = self._fds[path], self._locations[path].offset + index * nbytes
+        try:
+            done = 0
+            while done < nbytes:
+                n = os.copy_file_range(src_fd, dst_fd, nbytes - done, src_offset + done, dst_offset + done)
+                if n == 0:
+                    raise CheckpointError(f"{path}[{index}]: source ended before {nbytes} bytes")
+                done += n
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            copy_range(src_fd, src_offset, dst_fd, dst_offset, nbytes)
+        self._entries[path]["crc32"][index] = crc.result()
+        return nbytes
+
+    def missing(self) -> list[tuple[str, int]]:
+        return [(p, i) for p, e in self._entries.items() for i, c in enumerate(e["crc32"]) if c is None]
+
+    def finish(self, info: Mapping[str, object] | None = None) -> None:
+        """Flush the data and write the manifest, which marks the directory complete."""
+        if self.missing():
+            path, index = self.missing()[0]
+            raise CheckpointError(f"{path}[{index}] was never written")
+        for fd in self._fds.values():
+            os.fsync(fd)
+        self.close()
+        manifest = {"format": FORMAT, "version": FORMAT_VERSION, **(info or {}),
+                    "tensors": dict(sorted(self._entries.items()))}
+        (self.directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+    def close(self) -> None:
+        self._checksummer.shutdown()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}

@@ -1,0 +1,57 @@
+"""`load_pretrained`: the model from a converted checkpoint, each parameter placed straight onto its
+sharding (each process reads only the bytes of the shards its devices hold)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxmodel.config import LlamaConfig
+from jaxmodel.formats.checkpoint import DTYPES_BY_NAME, MANIFEST, CheckpointError, open_tensor, read_manifest
+from jaxmodel.model import LlamaForCausalLM
+from jaxmodel.sharding import DEFAULT_RULES, Rules, named_sharding
+
+
+def load_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None, dtype=None, param_dtype=None,
+                    rules: Rules = DEFAULT_RULES, remat: str = "none") -> LlamaForCausalLM:
+    """Build the model from a converted checkpoint.
+
+    With a mesh, each parameter is placed straight onto its sharding (from its logical axes and `rules`)
+    and each process reads only the bytes of the shards its devices hold. `param_dtype` casts the stored
+    weights (default: as stored); `dtype` is the compute dtype (default: the embedding's dtype).
+    """
+    directory = Path(path)
+    config = LlamaConfig.from_hf(directory)
+    manifest = read_manifest(directory)
+    stored = manifest["tensors"]
+    if dtype is None:
+        dtype = param_dtype or DTYPES_BY_NAME[stored.get("embed_tokens.weight", {}).get("dtype", "float32")]
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, param_dtype=param_dtype or dtype,
+                                                       remat=remat, rules=rules, rngs=nnx.Rngs(0)))
+    for names, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        name = ".".join(map(str, names))
+        entry = stored.get(name)
+        if entry is None:
+            raise CheckpointError(f"{directory / MANIFEST}: no tensor '{name}', which config.json implies")
+        if tuple(entry["shape"]) != tuple(var.shape):
+            raise CheckpointError(
+                f"{directory / MANIFEST}: '{name}' has shape {entry['shape']}, config.json implies {list(var.shape)}"
+            )
+        stored_array = open_tensor(directory, name, entry)
+        target = np.dtype(param_dtype) if param_dtype is not None else stored_array.dtype
+        var.set_value(_place(stored_array, target, None if mesh is None else
+                           named_sharding(var.get_metadata()["axes"], var.shape, mesh, rules)))
+    return abstract
+
+
+def _place(stored: np.memmap, dtype: np.dtype, sharding) -> jax.Array:
+    if sharding is None:
+        return jnp.asarray(np.asarray(stored).astype(dtype, copy=False))
+    # Called once per addressable device with that device's index: only those bytes are read.
+    return jax.make_array_from_callback(
+        stored.shape, sharding, lambda index: np.ascontiguousarray(stored[index]).astype(dtype, copy=False)
+    )
