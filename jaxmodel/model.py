@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmodel.attention import ATTENTION_IMPLS, attention
 from jaxmodel.config import LlamaConfig
 from jaxmodel.layers import Embed, Linear, RMSNorm
 from jaxmodel.rope import apply_rope, cos_sin, inv_freq
@@ -23,12 +24,6 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
-
-
-# Query blocks of causal attention without a cache (see Attention), used from CAUSAL_BLOCK_MIN positions
-# per block on: below that attention costs little and the extra matmuls only lengthen compilation.
-CAUSAL_BLOCKS = 4
-CAUSAL_BLOCK_MIN = 64
 
 
 def _split(key, n: int) -> list:
@@ -54,7 +49,8 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.dtype = dtype
 
-    def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv: tuple | None, cache_index, key=None):
+    def __call__(self, x_btd, cos_bth, sin_bth, mask: dict, kv: tuple | None, cache_index, key=None):
+        """`mask`: keyword arguments of `jaxmodel.attention.attention` (implementation, mask, query offset)."""
         b, t, _ = x_btd.shape
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
         keys = _split(key, 4)
@@ -65,36 +61,8 @@ class Attention(nnx.Module):
             k_btkh = jax.lax.dynamic_update_slice(kv[0], k_btkh.astype(kv[0].dtype), (0, cache_index, 0, 0))
             v_btkh = jax.lax.dynamic_update_slice(kv[1], v_btkh.astype(kv[1].dtype), (0, cache_index, 0, 0))
             kv = (k_btkh, v_btkh)
-        # Query head j uses kv head j // r, as transformers' repeat_kv does. The r query heads of a kv head
-        # and the t positions form one row axis: 4-D batched matmuls over (batch, kv head), which the CPU
-        # backend runs with fewer transposing copies than a 5-D einsum (bench/train.py).
-        r = n // k
-        q_bkqh = q_btnh.reshape(b, t, k, r, h).transpose(0, 2, 1, 3, 4).reshape(b, k, t * r, h)
-        k_bksh = k_btkh.astype(self.dtype).transpose(0, 2, 1, 3)
-        v_bksh = v_btkh.astype(self.dtype).transpose(0, 2, 1, 3)
-        # Without a cache the mask is causal: query block j needs keys up to the block's end only, which
-        # skips 3/8 of the scores with four blocks (masked keys add exact zeros to the softmax).
-        if kv is None and t % CAUSAL_BLOCKS == 0 and t // CAUSAL_BLOCKS >= CAUSAL_BLOCK_MIN:
-            tb = t // CAUSAL_BLOCKS
-            out_bkqh = jnp.concatenate([
-                _attend(q_bkqh[:, :, j * tb * r:(j + 1) * tb * r], k_bksh[:, :, :(j + 1) * tb],
-                        v_bksh[:, :, :(j + 1) * tb], mask_bts[:, j * tb:(j + 1) * tb, :(j + 1) * tb], r, self.dtype)
-                for j in range(CAUSAL_BLOCKS)], axis=2)
-        else:
-            out_bkqh = _attend(q_bkqh, k_bksh, v_bksh, mask_bts, r, self.dtype)
-        out_btd = out_bkqh.reshape(b, k, t, r, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n * h)
-        return self.o_proj(out_btd, keys[3]), kv
-
-
-def _attend(q_bkqh, k_bksh, v_bksh, mask_bts, r: int, dtype):
-    """Softmax attention of query rows `(t, r)` over keys `s`, float32 scores and softmax."""
-    b, k, q, h = q_bkqh.shape
-    t, s = mask_bts.shape[1:]
-    scores_bkqs = jnp.einsum("bkqh,bksh->bkqs", q_bkqh, k_bksh, preferred_element_type=jnp.float32) * (h ** -0.5)
-    mask_bkqs = jnp.broadcast_to(mask_bts[:, None, :, None, :], (b, k, t, r, s)).reshape(b, k, q, s)
-    scores_bkqs = jnp.where(mask_bkqs, scores_bkqs, jnp.finfo(jnp.float32).min)
-    probs_bkqs = jax.nn.softmax(scores_bkqs, axis=-1).astype(dtype)
-    return jnp.einsum("bkqs,bksh->bkqh", probs_bkqs, v_bksh)
+        out_btnh = attention(q_btnh, k_btkh, v_btkh, dtype=self.dtype, **mask)
+        return self.o_proj(out_btnh.reshape(b, t, n * h), keys[3]), kv
 
 
 class MLP(nnx.Module):
@@ -121,9 +89,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, layers=layers, param_dtype=param_dtype)
         self.mlp = MLP(config, **kw)
 
-    def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv, cache_index, key=None):
+    def __call__(self, x_btd, cos_bth, sin_bth, mask: dict, kv, cache_index, key=None):
         attn_key, mlp_key = _split(key, 2)
-        attn_btd, kv = self.self_attn(self.input_layernorm(x_btd), cos_bth, sin_bth, mask_bts, kv, cache_index,
+        attn_btd, kv = self.self_attn(self.input_layernorm(x_btd), cos_bth, sin_bth, mask, kv, cache_index,
                                       attn_key)
         h_btd = x_btd + attn_btd
         return h_btd + self.mlp(self.post_attention_layernorm(h_btd), mlp_key), kv
@@ -131,15 +99,20 @@ class DecoderLayer(nnx.Module):
 
 class LlamaForCausalLM(nnx.Module):
     """Llama 3.x causal LM. Decoder layers are one stacked module run with `jax.lax.scan`, so compile
-    time does not grow with depth; `remat` names the rematerialisation policy of the scanned body."""
+    time does not grow with depth; `remat` names the rematerialisation policy of the scanned body and
+    `attention` the attention implementation without a cache: "xla" (dense scores) or "blockwise"
+    (memory linear in the sequence, `jaxmodel.attention.blockwise_attention`)."""
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
-                 rules: Rules = DEFAULT_RULES, rngs: nnx.Rngs):
+                 attention: str = "xla", rules: Rules = DEFAULT_RULES, rngs: nnx.Rngs):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
+        if attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {list(ATTENTION_IMPLS)}, got {attention!r}")
         self.config = config
         self.dtype = dtype
         self.remat = remat
+        self.attention = attention
         self.rules = tuple(rules)  # logical axes -> mesh axes, for activations under a mesh
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                   rngs=rngs)
@@ -163,14 +136,12 @@ class LlamaForCausalLM(nnx.Module):
         b, t = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-        causal_ts = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
-        mask_bts = jnp.broadcast_to(causal_ts, (b, t, t))
-        if attention_mask is not None:
-            mask_bts = mask_bts & attention_mask.astype(bool)[:, None, :]
-        if segment_ids is not None:
-            same_doc_bts = segment_ids[:, :, None] == segment_ids[:, None, :]
-            mask_bts = mask_bts & same_doc_bts & (segment_ids != 0)[:, None, :]
-        logits, _ = self._forward(input_ids, positions, mask_bts, None, 0, dropout_key)
+        if self.attention == "blockwise":
+            segments_bt = _segments(attention_mask, segment_ids)
+            mask = dict(impl="blockwise", q_segment_ids=segments_bt, kv_segment_ids=segments_bt)
+        else:  # causality is added by `attention`, from the positions' indices
+            mask = dict(impl=self.attention, mask_bts=_dense_key_mask(attention_mask, segment_ids))
+        logits, _ = self._forward(input_ids, positions, mask, None, 0, dropout_key)
         return logits
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
@@ -184,13 +155,13 @@ class LlamaForCausalLM(nnx.Module):
         `key_valid` `[b, s]` marks cache slots holding real tokens (False for left padding).
         Returns float32 logits `[b, t, v]` and the updated cache.
         """
-        t, s = input_ids.shape[1], cache.k.shape[2]
-        query_slot_t = cache_index + jnp.arange(t)
-        causal_ts = jnp.arange(s)[None, :] <= query_slot_t[:, None]
-        mask_bts = causal_ts[None] & key_valid.astype(bool)[:, None, :]
-        return self._forward(input_ids, positions, mask_bts, cache, cache_index)
+        b, t, s = *input_ids.shape, cache.k.shape[2]
+        # query i sits at slot cache_index + i and sees slots up to it (attention's q_offset)
+        mask_bts = jnp.broadcast_to(key_valid.astype(bool)[:, None, :], (b, t, s))
+        mask = dict(impl="xla", mask_bts=mask_bts, q_offset=cache_index)
+        return self._forward(input_ids, positions, mask, cache, cache_index)
 
-    def _forward(self, input_ids, positions, mask_bts, cache: KVCache | None, cache_index, dropout_key=None):
+    def _forward(self, input_ids, positions, mask: dict, cache: KVCache | None, cache_index, dropout_key=None):
         c = self.config
         cos_bth, sin_bth = cos_sin(positions, inv_freq(c.rope, c.head_dim), self.dtype)
         h_btd = constrain(self.embed_tokens(input_ids, self.rules), ("act_batch", "act_seq", "act_embed"), self.rules)
@@ -200,7 +171,7 @@ class LlamaForCausalLM(nnx.Module):
 
         def layer_step(h_btd, xs):
             state, kv, key = xs
-            h_btd, kv = nnx.merge(graphdef, state)(h_btd, cos_bth, sin_bth, mask_bts, kv, cache_index, key)
+            h_btd, kv = nnx.merge(graphdef, state)(h_btd, cos_bth, sin_bth, mask, kv, cache_index, key)
             return constrain(h_btd, act, self.rules), kv
 
         policy = REMAT_POLICIES[self.remat]
@@ -215,3 +186,25 @@ class LlamaForCausalLM(nnx.Module):
         logits_btv = jnp.einsum("btd,vd->btv", h_btd, w_vd, preferred_element_type=jnp.float32)
         logits_btv = constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"), self.rules)
         return logits_btv, (None if cache is None else KVCache(*kv_ys))
+
+
+def _dense_key_mask(attention_mask, segment_ids) -> jax.Array | None:
+    """`[b, t, t]`: key j is a real token of query i's document (None: every key is)."""
+    if attention_mask is None and segment_ids is None:
+        return None
+    b, t = (attention_mask if segment_ids is None else segment_ids).shape
+    mask_bts = jnp.ones((b, t, t), bool)
+    if attention_mask is not None:
+        mask_bts = mask_bts & attention_mask.astype(bool)[:, None, :]
+    if segment_ids is not None:
+        same_doc_bts = segment_ids[:, :, None] == segment_ids[:, None, :]
+        mask_bts = mask_bts & same_doc_bts & (segment_ids != 0)[:, None, :]
+    return mask_bts
+
+
+def _segments(attention_mask, segment_ids) -> jax.Array | None:
+    """Segment ids `[b, t]` with padding (attention_mask 0) as segment 0; None when neither is given."""
+    if attention_mask is None:
+        return segment_ids
+    real_bt = attention_mask.astype(bool)
+    return jnp.where(real_bt, 1 if segment_ids is None else segment_ids, 0).astype(jnp.int32)

@@ -1,6 +1,7 @@
 """Model structure: the layer scan keeps compile cost flat in depth; remat and dtype options."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jaxmodel.attention as attention_module
 from jaxmodel import LlamaConfig, LlamaForCausalLM
+from jaxmodel.layers import LoRAParam
+from jaxmodel.lora import ALL_TARGETS, LoraConfig, apply_lora, target_linears
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -62,6 +66,89 @@ def test_unknown_remat_policy_is_rejected():
         LlamaForCausalLM(CONFIG, remat="sometimes", rngs=nnx.Rngs(0))
 
 
+def test_unknown_attention_is_rejected():
+    with pytest.raises(ValueError, match=r"attention must be one of \['xla', 'blockwise'\], got 'flash'"):
+        LlamaForCausalLM(CONFIG, attention="flash", rngs=nnx.Rngs(0))
+    model = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0))
+    model.attention = "flash"  # set after construction: refused when called
+    with pytest.raises(ValueError, match="attention must be one of"):
+        model(jnp.zeros((1, 4), jnp.int32))
+
+
+def packed_and_padded_batch(t: int):
+    """Two rows: two documents with positions restarting, then padding marked in both segment_ids and
+    attention_mask; left padding marked only in attention_mask (the model combines them)."""
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, 64, (2, t)), jnp.int32)
+    segments = np.ones((2, t), np.int32)
+    segments[0, t // 3:] = 2
+    segments[0, -5:] = 0
+    segments[1, t // 2:] = 2
+    attention_mask = (segments != 0).astype(np.int32)
+    attention_mask[1, :4] = 0
+    positions = np.zeros((2, t), np.int32)
+    for row in range(2):
+        for doc in (1, 2):
+            in_doc = segments[row] == doc
+            positions[row, in_doc] = np.arange(in_doc.sum())
+    real = (segments != 0) & (attention_mask != 0)
+    return ids, jnp.asarray(segments), jnp.asarray(attention_mask), jnp.asarray(positions), real
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "dots"])
+def test_blockwise_attention_keeps_logits_and_lora_gradients(monkeypatch, remat):
+    """attention="blockwise" against "xla" on packed documents with padding, blocks smaller than the
+    sequence: logits of real tokens and LoRA gradients of a loss over real tokens equal within 1e-5 of
+    the largest entry."""
+    monkeypatch.setattr(attention_module, "BLOCK_Q", 8)
+    monkeypatch.setattr(attention_module, "BLOCK_KV", 16)
+    t = 45
+    ids, segments, attention_mask, positions, real = packed_and_padded_batch(t)
+    model = apply_lora(LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(2)), LoraConfig(), rngs=nnx.Rngs(3))
+    for i, (_, linear) in enumerate(target_linears(model, ALL_TARGETS)):  # B = 0 would leave A's gradient 0
+        linear.lora_b.set_value(0.1 * jax.random.normal(jax.random.key(i), linear.lora_b[...].shape))
+    graphdef, lora, rest = nnx.split(model, LoRAParam, ...)
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=(2, t, 64)), jnp.float32) * real[..., None]
+
+    def logits(lora, impl):
+        m = nnx.merge(graphdef, lora, rest)
+        m.attention, m.remat = impl, remat
+        return m(ids, positions=positions, segment_ids=segments, attention_mask=attention_mask)
+
+    def run(impl):
+        grads = jax.jit(jax.grad(lambda lora: (logits(lora, impl) * weights).sum()))(lora)
+        return np.asarray(jax.jit(logits, static_argnums=1)(lora, impl)), jax.tree.leaves(grads)
+
+    xla_logits, xla_grads = run("xla")
+    block_logits, block_grads = run("blockwise")
+    scale = np.abs(xla_logits[real]).max()
+    np.testing.assert_allclose(block_logits[real], xla_logits[real], rtol=1e-5, atol=1e-5 * scale)
+    grad_scale = max(float(np.abs(g).max()) for g in xla_grads)
+    assert grad_scale > 0 and len(xla_grads) == 14  # lora_a, lora_b of 7 targets
+    for got, want in zip(block_grads, xla_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * grad_scale)
+
+
+def test_blockwise_attention_builds_no_sequence_by_sequence_array(monkeypatch):
+    """No `[.., t, .., t]` array (the dense mask, the scores) anywhere in the blockwise model's gradient."""
+    monkeypatch.setattr(attention_module, "BLOCK_Q", 8)
+    monkeypatch.setattr(attention_module, "BLOCK_KV", 16)
+    t = 45
+    ids, segments, attention_mask, positions, _ = packed_and_padded_batch(t)
+    graphdef, state = nnx.split(LlamaForCausalLM(CONFIG, attention="blockwise", remat="dots", rngs=nnx.Rngs(0)))
+
+    def loss(state):
+        return nnx.merge(graphdef, state)(ids, positions=positions, segment_ids=segments,
+                                          attention_mask=attention_mask).sum()
+
+    shapes = re.findall(r"\[([0-9,]+)\]", str(jax.make_jaxpr(jax.grad(loss))(state)))
+    assert shapes and not [s for s in shapes if s.split(",").count(str(t)) >= 2]
+    graphdef_xla, _ = nnx.split(LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0)))  # the check sees the plain path's
+    shapes = re.findall(r"\[([0-9,]+)\]", str(jax.make_jaxpr(jax.grad(
+        lambda s: nnx.merge(graphdef_xla, s)(ids, segment_ids=segments).sum()))(state)))
+    assert [s for s in shapes if s.split(",").count(str(t)) >= 2]
+
+
 def test_bf16_compute_with_f32_params_returns_f32_logits():
     model = LlamaForCausalLM(CONFIG, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     assert model.layers.mlp.up_proj.weight[...].dtype == jnp.float32
@@ -73,9 +160,7 @@ def test_bf16_compute_with_f32_params_returns_f32_logits():
 def test_causal_query_blocks_keep_the_numbers(monkeypatch):
     """Attention without a cache skips the keys after each query block; logits and gradients must equal
     those of full attention, with packed documents and padding in the row."""
-    import jaxmodel.model as model_module
-
-    t = model_module.CAUSAL_BLOCKS * model_module.CAUSAL_BLOCK_MIN
+    t = attention_module.CAUSAL_BLOCKS * attention_module.CAUSAL_BLOCK_MIN
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, 64, (2, t)), jnp.int32)
     segments = np.ones((2, t), np.int32)
@@ -86,7 +171,7 @@ def test_causal_query_blocks_keep_the_numbers(monkeypatch):
     graphdef, state = nnx.split(model)
 
     def run(blocks):
-        monkeypatch.setattr(model_module, "CAUSAL_BLOCKS", blocks)
+        monkeypatch.setattr(attention_module, "CAUSAL_BLOCKS", blocks)
 
         def logits(state):
             return nnx.merge(graphdef, state)(ids, positions=jnp.asarray(positions), segment_ids=jnp.asarray(segments))

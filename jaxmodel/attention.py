@@ -1,0 +1,274 @@
+"""Causal softmax attention with grouped-query heads: the plain (dense) path and a blockwise,
+memory-efficient one (FlashAttention-2's algorithm in pure JAX, with its own backward pass).
+
+Shapes: b batch, t query positions, s key positions, n query heads, k kv heads, r = n // k query heads
+per kv head, h head_dim. Query head j uses kv head j // r, as transformers' repeat_kv does; neither path
+repeats K/V: the r query heads of a kv head and the query positions form one row axis (`q` rows), so
+attention is batched matmuls over (batch, kv head).
+
+The mask: key j is visible to query i iff `j <= q_offset + i` (keys indexed from 0) and either
+`mask_bts[b, i, j]` (a dense mask, plain path only) or `q_segment_ids[b, i] == kv_segment_ids[b, j] != 0`
+(segment 0 is padding). A query that sees no key (padding) gets zeros and passes no gradient in the
+blockwise path, and the mean of all values in the plain one.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+ATTENTION_IMPLS = ("xla", "blockwise")
+
+# Query blocks of the plain path (see xla_attention), used from CAUSAL_BLOCK_MIN positions per block on:
+# below that attention costs little and the extra matmuls only lengthen compilation.
+CAUSAL_BLOCKS = 4
+CAUSAL_BLOCK_MIN = 64
+
+# Blockwise defaults, from the forward + backward of one call with b=1, n=16, k=4, h=64, float32 on a
+# 2-core CPU (fastest of interleaved runs, seq 2048 / 4096 / 8192): 256x256 blocks 1.05 / 3.7 / 17 s,
+# 512x512 1.37 / 4.7 / 16 s, 1024x1024 2.3 s at 2048; the plain path 1.25 / 6.9 / 49 s. These are CPU
+# figures: on other backends measure and pass block_q / block_kv.
+BLOCK_Q = 256
+BLOCK_KV = 256
+
+_NEG = float(jnp.finfo(jnp.float32).min)
+
+
+def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *, q_segment_ids: jax.Array | None = None,
+              kv_segment_ids: jax.Array | None = None, q_offset: int | jax.Array = 0,
+              mask_bts: jax.Array | None = None, impl: str = "xla", dtype=None, block_q: int | None = None,
+              block_kv: int | None = None) -> jax.Array:
+    """Causal attention `[b, t, n, h]` by `impl`: "xla" (dense scores) or "blockwise" (memory O(t)).
+
+    `mask_bts` replaces the segment ids (plain path only). `dtype` (default q's) is the compute dtype.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention must be one of {list(ATTENTION_IMPLS)}, got {impl!r}")
+    if impl == "blockwise":
+        if mask_bts is not None:
+            raise ValueError("blockwise attention takes segment ids, not a dense mask_bts")
+        return blockwise_attention(q_btnh, k_bskh, v_bskh, q_segment_ids=q_segment_ids,
+                                   kv_segment_ids=kv_segment_ids, q_offset=q_offset, dtype=dtype,
+                                   block_q=block_q, block_kv=block_kv)
+    b, t, s = q_btnh.shape[0], q_btnh.shape[1], k_bskh.shape[1]
+    visible_bts = dense_mask(b, t, s, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                             q_offset=q_offset, mask_bts=mask_bts)
+    # Query blocks may drop the keys after their end only when those are hidden by index from query 0 on.
+    aligned = isinstance(q_offset, int) and q_offset == 0 and t == s
+    return xla_attention(q_btnh, k_bskh, v_bskh, visible_bts, dtype=dtype, causal_blocks=aligned)
+
+
+def dense_mask(b: int, t: int, s: int, *, q_segment_ids=None, kv_segment_ids=None, q_offset=0,
+               mask_bts=None) -> jax.Array:
+    """The boolean `[b, t, s]` mask of the module docstring."""
+    causal_ts = jnp.arange(s)[None, :] <= q_offset + jnp.arange(t)[:, None]
+    visible_bts = jnp.broadcast_to(causal_ts, (b, t, s))
+    if mask_bts is not None:
+        return visible_bts & mask_bts
+    if q_segment_ids is None and kv_segment_ids is None:
+        return visible_bts
+    q_seg_bt, kv_seg_bs = _segments_or_ones(q_segment_ids, kv_segment_ids, b, t, s)
+    same_bts = q_seg_bt[:, :, None] == kv_seg_bs[:, None, :]
+    return visible_bts & same_bts & (kv_seg_bs != 0)[:, None, :]
+
+
+def _segments_or_ones(q_segment_ids, kv_segment_ids, b: int, t: int, s: int):
+    q_seg_bt = jnp.ones((b, t), jnp.int32) if q_segment_ids is None else jnp.asarray(q_segment_ids, jnp.int32)
+    kv_seg_bs = jnp.ones((b, s), jnp.int32) if kv_segment_ids is None else jnp.asarray(kv_segment_ids, jnp.int32)
+    return q_seg_bt, kv_seg_bs
+
+
+# ----------------------------------------------------------------------------------------------------
+# The plain path
+
+
+def xla_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: jax.Array, *, dtype=None,
+                  causal_blocks: bool = False) -> jax.Array:
+    """Attention with dense float32 scores `[b, k, t*r, s]` under a boolean `mask_bts`.
+
+    `causal_blocks` says that `mask_bts` hides every key after its query (`t == s`): then, from
+    CAUSAL_BLOCKS * CAUSAL_BLOCK_MIN positions on, query block j attends only keys up to the block's
+    end, which skips 3/8 of the scores with four blocks (masked keys add exact zeros to the softmax).
+    """
+    dtype = q_btnh.dtype if dtype is None else dtype
+    b, t, n, h = q_btnh.shape
+    k = k_bskh.shape[2]
+    r = n // k
+    # 4-D batched matmuls over (batch, kv head): the CPU backend runs them with fewer transposing copies
+    # than a 5-D einsum (bench/train.py).
+    q_bkqh = q_btnh.reshape(b, t, k, r, h).transpose(0, 2, 1, 3, 4).reshape(b, k, t * r, h)
+    k_bksh = k_bskh.astype(dtype).transpose(0, 2, 1, 3)
+    v_bksh = v_bskh.astype(dtype).transpose(0, 2, 1, 3)
+    if causal_blocks and t % CAUSAL_BLOCKS == 0 and t // CAUSAL_BLOCKS >= CAUSAL_BLOCK_MIN:
+        tb = t // CAUSAL_BLOCKS
+        out_bkqh = jnp.concatenate([
+            _attend(q_bkqh[:, :, j * tb * r:(j + 1) * tb * r], k_bksh[:, :, :(j + 1) * tb],
+                    v_bksh[:, :, :(j + 1) * tb], mask_bts[:, j * tb:(j + 1) * tb, :(j + 1) * tb], r, dtype)
+            for j in range(CAUSAL_BLOCKS)], axis=2)
+    else:
+        out_bkqh = _attend(q_bkqh, k_bksh, v_bksh, mask_bts, r, dtype)
+    return out_bkqh.reshape(b, k, t, r, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
+
+
+def _attend(q_bkqh, k_bksh, v_bksh, mask_bts, r: int, dtype):
+    """Softmax attention of query rows `(t, r)` over keys `s`, float32 scores and softmax."""
+    b, k, q, h = q_bkqh.shape
+    t, s = mask_bts.shape[1:]
+    scores_bkqs = jnp.einsum("bkqh,bksh->bkqs", q_bkqh, k_bksh, preferred_element_type=jnp.float32) * (h ** -0.5)
+    mask_bkqs = jnp.broadcast_to(mask_bts[:, None, :, None, :], (b, k, t, r, s)).reshape(b, k, q, s)
+    scores_bkqs = jnp.where(mask_bkqs, scores_bkqs, jnp.finfo(jnp.float32).min)
+    probs_bkqs = jax.nn.softmax(scores_bkqs, axis=-1).astype(dtype)
+    return jnp.einsum("bkqs,bksh->bkqh", probs_bkqs, v_bksh)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The blockwise path
+
+
+def blockwise_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
+                        q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+                        q_offset: int | jax.Array = 0, dtype=None, block_q: int | None = None,
+                        block_kv: int | None = None) -> jax.Array:
+    """Attention `[b, t, n, h]` computed `block_q` query positions by `block_kv` keys at a time (default
+    BLOCK_Q, BLOCK_KV), keeping only the output and per-row log-sum-exp; key blocks wholly after a query
+    block are never computed."""
+    dtype = q_btnh.dtype if dtype is None else dtype
+    b, t, n, h = q_btnh.shape
+    s, k = k_bskh.shape[1], k_bskh.shape[2]
+    r = n // k
+    bq, bk = min(block_q or BLOCK_Q, t), min(block_kv or BLOCK_KV, s)
+    nq, nk = -(-t // bq), -(-s // bk)
+    q_seg_bt, kv_seg_bs = _segments_or_ones(q_segment_ids, kv_segment_ids, b, t, s)
+    # Padded positions get segment 0, so no query sees a padded key and padded query rows stay zero.
+    q_btnh = _pad_axis1(q_btnh.astype(dtype), nq * bq)
+    q_seg_bt = _pad_axis1(q_seg_bt, nq * bq)
+    k_bskh, v_bskh = _pad_axis1(k_bskh.astype(dtype), nk * bk), _pad_axis1(v_bskh.astype(dtype), nk * bk)
+    kv_seg_bs = _pad_axis1(kv_seg_bs, nk * bk)
+    # Block axis first, so each loop step takes one contiguous block; rows of a query block are (t, r).
+    q_nbkqh = q_btnh.reshape(b, nq, bq, k, r, h).transpose(1, 0, 3, 2, 4, 5).reshape(nq, b, k, bq * r, h)
+    k_mbksh = k_bskh.reshape(b, nk, bk, k, h).transpose(1, 0, 3, 2, 4)
+    v_mbksh = v_bskh.reshape(b, nk, bk, k, h).transpose(1, 0, 3, 2, 4)
+    q_seg_nbt = q_seg_bt.reshape(b, nq, bq).transpose(1, 0, 2)
+    kv_seg_mbs = kv_seg_bs.reshape(b, nk, bk).transpose(1, 0, 2)
+    out_nbkqh = _flash(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, jnp.asarray(q_offset, jnp.int32), t)
+    out_btnh = out_nbkqh.reshape(nq, b, k, bq, r, h).transpose(1, 0, 3, 2, 4, 5).reshape(b, nq * bq, n, h)
+    return out_btnh[:, :t]
+
+
+def _pad_axis1(x, size: int):
+    return jnp.pad(x, [(0, 0), (0, size - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+def _block_ranges(q_offset, nq: int, bq: int, nk: int, bk: int, q_len: int):
+    """Key blocks `[0, kv_count_n[i])` for query block i and query blocks `[q_start_m[j], nq)` for key
+    block j: both from one test (the block's first key is visible to its last query), so the forward and
+    backward passes skip the same blocks."""
+    last_query_n = q_offset + jnp.minimum((jnp.arange(nq) + 1) * bq, q_len) - 1  # a key index limit
+    kv_count_n = jnp.clip(last_query_n // bk + 1, 0, nk)
+    first_key_m = jnp.arange(nk) * bk
+    q_start_m = jnp.sum(last_query_n[None, :] < first_key_m[:, None], axis=1)
+    return kv_count_n.astype(jnp.int32), q_start_m.astype(jnp.int32)
+
+
+def _masked_scores(q_bkqh, k_bksh, q_seg_bt, kv_seg_bs, i, j, q_offset):
+    """float32 scores `[b, k, q, s]` of query block i against key block j, hidden keys set to NEG."""
+    b, k, rows, h = q_bkqh.shape
+    bq, bk = q_seg_bt.shape[1], kv_seg_bs.shape[1]
+    scores_bkqs = jnp.einsum("bkqh,bksh->bkqs", q_bkqh, k_bksh, preferred_element_type=jnp.float32) * (h ** -0.5)
+    causal_ts = j * bk + jnp.arange(bk)[None, :] <= q_offset + i * bq + jnp.arange(bq)[:, None]
+    visible_bts = (q_seg_bt[:, :, None] == kv_seg_bs[:, None, :]) & (kv_seg_bs != 0)[:, None, :] & causal_ts
+    # The mask is per position; the rows (t, r) of a kv head share it.
+    scores_bktrs = scores_bkqs.reshape(b, k, bq, rows // bq, bk)
+    scores_bktrs = jnp.where(visible_bts[:, None, :, None, :], scores_bktrs, _NEG)
+    return scores_bktrs.reshape(b, k, rows, bk)
+
+
+def _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, q_len: int):
+    """Online softmax over key blocks: output `[nq, b, k, q, h]` and float32 log-sum-exp `[nq, b, k, q]`."""
+    nq, b, k, rows, h = q_nbkqh.shape
+    nk, bq, bk = k_mbksh.shape[0], q_seg_nbt.shape[2], k_mbksh.shape[3]
+    dtype = q_nbkqh.dtype
+    kv_count_n, _ = _block_ranges(q_offset, nq, bq, nk, bk, q_len)
+
+    def query_block(_, xs):
+        q_bkqh, q_seg_bt, kv_count, i = xs
+
+        def key_block(j, carry):
+            max_bkq, sum_bkq, acc_bkqh = carry
+            scores_bkqs = _masked_scores(q_bkqh, k_mbksh[j], q_seg_bt, kv_seg_mbs[j], i, j, q_offset)
+            new_max_bkq = jnp.maximum(max_bkq, scores_bkqs.max(axis=-1))
+            # A row with no visible key yet is shifted by 0, not NEG, so that its exp(NEG - shift) is 0.
+            shift_bkq = jnp.where(new_max_bkq == _NEG, 0.0, new_max_bkq)
+            p_bkqs = jnp.exp(scores_bkqs - shift_bkq[..., None])
+            rescale_bkq = jnp.exp(max_bkq - shift_bkq)
+            sum_bkq = sum_bkq * rescale_bkq + p_bkqs.sum(axis=-1)
+            pv_bkqh = jnp.einsum("bkqs,bksh->bkqh", p_bkqs.astype(dtype), v_mbksh[j],
+                                 preferred_element_type=jnp.float32)
+            return new_max_bkq, sum_bkq, acc_bkqh * rescale_bkq[..., None] + pv_bkqh
+
+        init = (jnp.full((b, k, rows), _NEG, jnp.float32), jnp.zeros((b, k, rows), jnp.float32),
+                jnp.zeros((b, k, rows, h), jnp.float32))
+        max_bkq, sum_bkq, acc_bkqh = jax.lax.fori_loop(0, kv_count, key_block, init)
+        # A row that sees no key (padding) has sum 0: output 0, and log-sum-exp 0, so that the backward's
+        # exp(NEG - 0) makes its probabilities 0 as well.
+        seen_bkq = sum_bkq > 0
+        safe_sum_bkq = jnp.where(seen_bkq, sum_bkq, 1.0)
+        out_bkqh = (acc_bkqh / safe_sum_bkq[..., None]).astype(dtype)
+        lse_bkq = jnp.where(seen_bkq, max_bkq + jnp.log(safe_sum_bkq), 0.0)
+        return None, (out_bkqh, lse_bkq)
+
+    _, (out_nbkqh, lse_nbkq) = jax.lax.scan(query_block, None, (q_nbkqh, q_seg_nbt, kv_count_n, jnp.arange(nq)))
+    return out_nbkqh, lse_nbkq
+
+
+def _flash_backward(q_len: int, residuals, dout_nbkqh):
+    """FlashAttention-2's backward: per key block, the query blocks that see it recompute their scores."""
+    q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, out_nbkqh, lse_nbkq = residuals
+    nq, b, k, rows, h = q_nbkqh.shape
+    nk, bq, bk = k_mbksh.shape[0], q_seg_nbt.shape[2], k_mbksh.shape[3]
+    dtype, scale = q_nbkqh.dtype, h ** -0.5
+    _, q_start_m = _block_ranges(q_offset, nq, bq, nk, bk, q_len)
+    dout_nbkqh = dout_nbkqh.astype(dtype)
+    # D = rowsum(dO * O) = sum_j P_ij dP_ij, the softmax backward's row term.
+    delta_nbkq = jnp.sum(dout_nbkqh.astype(jnp.float32) * out_nbkqh.astype(jnp.float32), axis=-1)
+
+    def key_block(dq_nbkqh, xs):
+        k_bksh, v_bksh, kv_seg_bs, q_start, j = xs
+
+        def query_block(i, carry):
+            dq_nbkqh, dk_bksh, dv_bksh = carry
+            q_bkqh, dout_bkqh = q_nbkqh[i], dout_nbkqh[i]
+            scores_bkqs = _masked_scores(q_bkqh, k_bksh, q_seg_nbt[i], kv_seg_bs, i, j, q_offset)
+            p_bkqs = jnp.exp(scores_bkqs - lse_nbkq[i][..., None])
+            dv_bksh += jnp.einsum("bkqs,bkqh->bksh", p_bkqs.astype(dtype), dout_bkqh,
+                                  preferred_element_type=jnp.float32)
+            dp_bkqs = jnp.einsum("bkqh,bksh->bkqs", dout_bkqh, v_bksh, preferred_element_type=jnp.float32)
+            ds_bkqs = (p_bkqs * (dp_bkqs - delta_nbkq[i][..., None]) * scale).astype(dtype)
+            dk_bksh += jnp.einsum("bkqs,bkqh->bksh", ds_bkqs, q_bkqh, preferred_element_type=jnp.float32)
+            dq_bkqh = jnp.einsum("bkqs,bksh->bkqh", ds_bkqs, k_bksh, preferred_element_type=jnp.float32)
+            return dq_nbkqh.at[i].add(dq_bkqh), dk_bksh, dv_bksh
+
+        zeros_bksh = jnp.zeros(k_bksh.shape, jnp.float32)
+        dq_nbkqh, dk_bksh, dv_bksh = jax.lax.fori_loop(q_start, nq, query_block, (dq_nbkqh, zeros_bksh, zeros_bksh))
+        return dq_nbkqh, (dk_bksh, dv_bksh)
+
+    dq_nbkqh = jnp.zeros(q_nbkqh.shape, jnp.float32)
+    dq_nbkqh, (dk_mbksh, dv_mbksh) = jax.lax.scan(
+        key_block, dq_nbkqh, (k_mbksh, v_mbksh, kv_seg_mbs, q_start_m, jnp.arange(nk)))
+    return (dq_nbkqh.astype(q_nbkqh.dtype), dk_mbksh.astype(k_mbksh.dtype), dv_mbksh.astype(v_mbksh.dtype),
+            None, None, None)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, q_len: int):
+    return _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, q_len)[0]
+
+
+def _flash_fwd(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, q_len: int):
+    out_nbkqh, lse_nbkq = _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, q_len)
+    return out_nbkqh, (q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, out_nbkqh, lse_nbkq)
+
+
+_flash.defvjp(_flash_fwd, _flash_backward)
