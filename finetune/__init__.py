@@ -1,4 +1,4 @@
-"""LoRA fine-tuning over a named device mesh (dp, fsdp, mp), resumable, with a memory plan before any run.
+"""LoRA fine-tuning over a named device mesh (dp, fsdp, cp, mp), resumable, with a memory plan before any run.
 
     from finetune import TrainConfig, run_training, plan
     summary = run_training(TrainConfig(model="converted/llama", data="train.jsonl", out="runs/r1").validate())

@@ -17,6 +17,11 @@ class ConfigFileError(ValueError, UsageError):
     """A bad option value or YAML file; the message names the file/option and what was expected."""
 
 
+# `--attention auto` takes the blockwise path from this sequence length on: one attention forward+backward
+# (b=1, 16 heads, 4 kv heads, head_dim 64, float32, 2 CPU cores) took 1.25 s plain vs 1.05 s blockwise at
+# 2048 positions, 3.1-6.9 s vs 3.7 s at 4096, 49 s vs 17 s at 8192; below 2048 the plain path is as fast.
+BLOCKWISE_FROM = 2048
+
 # Section titles for --help and docs/config.md, keyed by the first option of each section (in field order).
 SECTIONS = {
     "model": "Data and run directory",
@@ -78,9 +83,19 @@ class TrainConfig:
     dtype: Literal["bfloat16", "float32"] = option("bfloat16", "compute dtype of the forward/backward pass")
     param_dtype: Literal["keep", "bfloat16", "float32"] = option("keep", "dtype of the frozen base weights in "
                                                                           "device memory (keep: as stored)")
-    remat: Literal["none", "full", "dots", "dots_no_batch"] = option(
+    remat: Literal["none", "full", "dots", "dots_no_batch", "projections", "offload"] = option(
         "dots", "rematerialisation policy of the scanned layer: dots keeps matmul outputs and recomputes the "
-                "elementwise work (faster than none on CPU, and less memory); full keeps only layer inputs (least memory)")
+                "elementwise work (faster than none on CPU, and less memory); full keeps only layer inputs (least "
+                "memory); projections keeps the attention projections but no attention internals (for long "
+                "sequences with --attention xla); offload keeps layer inputs in host memory where the backend "
+                "supports it")
+    attention: Literal["auto", "xla", "blockwise"] = option(
+        "auto", "attention without a cache: xla materialises [seq, seq] scores; blockwise (flash-style, memory "
+                "linear in seq) computes them block by block; auto: blockwise from --seq-len 2048 on or with cp > 1")
+    loss_chunk: int = option(1024, "positions per chunk of the LM head + cross-entropy, so [seq, vocab] logits are "
+                                   "never held at once (0: the whole sequence at once)")
+    mlp_chunk: int = option(4096, "positions per chunk of the MLP (per device of the cp axis) when a sequence is "
+                                  "longer (0: never chunk)")
     # checkpoints and logging
     checkpoint_every: int = option(100, "save a checkpoint every N steps (and at the end)")
     keep_checkpoints: int = option(3, "keep the newest N checkpoints")
@@ -96,6 +111,12 @@ class TrainConfig:
     hbm_gb: float = option(192.0, "with --plan: device memory in GB to check the plan against (MI300X: 192)")
     show_sharding: bool = option(False, "print each parameter's sharding and per-device bytes, then continue")
 
+    def attention_impl(self, cp: int = 1) -> str:
+        """The attention implementation `--attention` names; `auto` resolved for this run's shape."""
+        if self.attention != "auto":
+            return self.attention
+        return "blockwise" if cp > 1 or self.seq_len >= BLOCKWISE_FROM else "xla"
+
     @property
     def target_modules(self) -> tuple[str, ...]:
         return tuple(t.strip() for t in self.targets.split(",") if t.strip())
@@ -110,6 +131,9 @@ class TrainConfig:
         """Raise ConfigFileError for values that cannot work, naming the option."""
         positive = ("rank", "steps", "batch_size", "grad_accum", "seq_len", "log_every", "checkpoint_every",
                     "keep_checkpoints")
+        for name in ("loss_chunk", "mlp_chunk"):
+            if getattr(self, name) < 0:
+                raise ConfigFileError(f"--{flag_of(name)} must be 0 or a positive integer, got {getattr(self, name)}")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigFileError(f"--{flag_of(name)} must be a positive integer, got {getattr(self, name)}")

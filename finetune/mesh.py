@@ -1,4 +1,4 @@
-"""The device mesh (dp, fsdp, mp) and joining a multi-host run."""
+"""The device mesh (dp, fsdp, cp, mp) and joining a multi-host run."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def parse_mesh(spec: str, device_count: int) -> dict[str, int]:
         sizes[free[0]] = device_count // known
     if math.prod(sizes.values()) != device_count:
         given = "x".join(str(sizes[a]) for a in AXES)
-        raise MeshError(f"--mesh {spec!r}: dp x fsdp x mp = {given} = {math.prod(sizes.values())} devices, "
+        raise MeshError(f"--mesh {spec!r}: {' x '.join(AXES)} = {given} = {math.prod(sizes.values())} devices, "
                         f"but {device_count} are available")
     return {name: sizes[name] for name in AXES}
 

@@ -82,8 +82,8 @@ def plan(config: TrainConfig) -> PlanReport:
     source = Path(config.model_config or config.model)
     llama = LlamaConfig.from_hf(source)  # a clear error for a missing or malformed config
     raw = json.loads((source / "config.json" if source.is_dir() else source).read_text())
-    check_seq_len(config, llama)
     mesh = make_mesh(config.mesh)
+    check_seq_len(config, llama, mesh)
     check_batch_split(config, mesh, DEFAULT_RULES)
     dtype, param_dtype = DTYPES[config.dtype], _param_dtype(config, raw)
     start = time.perf_counter()
@@ -92,7 +92,8 @@ def plan(config: TrainConfig) -> PlanReport:
     lines = [f"model: {source} ({sum(math.prod(x.shape) for x in jax.tree.leaves(trees['base'])) / 1e9:.1f}B frozen "
              f"parameters, {sum(math.prod(x.shape) for x in jax.tree.leaves(trees['lora'])) / 1e6:.1f}M LoRA parameters)",
              f"batch {config.batch_size} x seq {config.seq_len}, grad accumulation {config.grad_accum}, "
-             f"dtype {config.dtype}, remat {config.remat}"]
+             f"dtype {config.dtype}, remat {config.remat}, attention {config.attention_impl(mesh.shape['cp'])}, "
+             f"loss chunk {config.loss_chunk or 'none'}, MLP chunk {config.mlp_chunk or 'none'}"]
     backend = jax.default_backend()
     if backend == "cpu" and jnp.dtype(dtype).itemsize < 4:
         # The CPU compiler turns 16-bit matmuls into float32 ones and hoists float32 copies of the weights,
@@ -116,6 +117,7 @@ def _compile(config: TrainConfig, llama: LlamaConfig, mesh, dtype, param_dtype):
     with jax.set_mesh(mesh):
         def build():
             model = LlamaForCausalLM(llama, dtype=dtype, param_dtype=param_dtype, remat=config.remat,
+                                     attention=config.attention_impl(mesh.shape["cp"]), mlp_chunk=config.mlp_chunk,
                                      rules=DEFAULT_RULES, rngs=nnx.Rngs(0))
             return apply_lora(model, config.lora_config(), rngs=nnx.Rngs(0))
 

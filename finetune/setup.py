@@ -71,10 +71,14 @@ def check_batch_split(config: TrainConfig, mesh: Mesh, rules: Rules) -> None:
                               f"of {names} = {ways} (each device holds whole rows)")
 
 
-def check_seq_len(config: TrainConfig, llama: LlamaConfig) -> None:
+def check_seq_len(config: TrainConfig, llama: LlamaConfig, mesh: Mesh) -> None:
     if config.seq_len > llama.max_position_embeddings:
         raise ConfigFileError(f"--seq-len {config.seq_len} exceeds the model's max_position_embeddings "
                               f"({llama.max_position_embeddings})")
+    cp = mesh.shape.get("cp", 1)
+    if cp > 1 and config.seq_len % (2 * cp):
+        raise ConfigFileError(f"--seq-len {config.seq_len} must be a multiple of 2 x cp = {2 * cp} (each device of "
+                              "the cp axis holds two equal chunks of every sequence)")
 
 
 def _place(tree, mesh, rules):
@@ -96,7 +100,7 @@ def setup(config: TrainConfig, devices=None) -> Run:
     model_dir = Path(config.model)
     read_manifest(model_dir)  # a clear error for a directory that is not a converted checkpoint
     llama = LlamaConfig.from_hf(model_dir)
-    check_seq_len(config, llama)
+    check_seq_len(config, llama, mesh)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -109,7 +113,8 @@ def setup(config: TrainConfig, devices=None) -> Run:
     param_dtype = None if config.param_dtype == "keep" else DTYPES[config.param_dtype]
     with jax.set_mesh(mesh):
         model = load_pretrained(model_dir, mesh=mesh, dtype=DTYPES[config.dtype], param_dtype=param_dtype,
-                                remat=config.remat, rules=rules)
+                                remat=config.remat, attention=config.attention_impl(mesh.shape.get("cp", 1)),
+                                mlp_chunk=config.mlp_chunk, rules=rules)
         if config.init_adapter:
             load_peft_adapter(model, config.init_adapter)
         else:

@@ -12,7 +12,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from finetune.config import TrainConfig
+from jaxmodel.context_parallel import cp_size
 from jaxmodel.layers import LoRAParam
+from jaxmodel.loss import chunked_cross_entropy_sums, cross_entropy_sums
 from jaxmodel.sharding import Rules, batch_sharding
 
 BATCH_KEYS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
@@ -46,24 +48,47 @@ def make_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, o
     return optax.chain(*chain, adamw), schedule
 
 
-def loss_sums(model, batch: dict[str, jax.Array], dropout_key=None) -> tuple[jax.Array, jax.Array]:
-    """(sum of masked next-token cross-entropy, number of target tokens) over a batch."""
-    logits_btv = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                       dropout_key=dropout_key)
-    losses_bt = optax.softmax_cross_entropy_with_integer_labels(logits_btv, batch["targets"])
-    mask_bt = batch["loss_mask"]
-    return jnp.sum(losses_bt * mask_bt), jnp.sum(mask_bt)
+def loss_sums(model, batch: dict[str, jax.Array], dropout_key=None, chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+    """(sum of masked next-token cross-entropy, number of target tokens) over a batch.
+
+    With `chunk`, the LM head and the loss run over chunks of that many positions
+    (`jaxmodel.loss.chunked_cross_entropy_sums`): no `[batch, seq, vocab]` logits are held at once.
+    """
+    h_btd = model.hidden_states(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                                dropout_key=dropout_key)
+    targets_bt, mask_bt = batch["targets"], batch["loss_mask"]
+    order = model.sequence_order(h_btd.shape[1])
+    rules = model.rules
+    if order is not None:
+        # The sum over tokens does not care about their order: take the targets in the model's (cp) order,
+        # and make each device's part of the sequence rows of its own, so the chunks never cross devices.
+        targets_bt, mask_bt = jnp.take(targets_bt, order, axis=1), jnp.take(mask_bt, order, axis=1)
+        b, t, _ = h_btd.shape
+        cp = cp_size()
+        h_btd, targets_bt, mask_bt = (x.reshape(b * cp, t // cp, *x.shape[2:]) for x in (h_btd, targets_bt, mask_bt))
+        rules = _rows_over_cp(rules)
+    if not chunk:
+        return cross_entropy_sums(model.head(h_btd), targets_bt, mask_bt)
+    return chunked_cross_entropy_sums(model.head, h_btd, targets_bt, mask_bt, chunk=chunk, rules=rules)
+
+
+def _rows_over_cp(rules: Rules) -> Rules:
+    """`rules` for `[batch x cp, seq / cp]` rows: the rows split over the batch axes and `cp`, each row whole."""
+    table = dict(rules)
+    batch = table.get("act_batch")
+    batch = (batch,) if isinstance(batch, str) else tuple(batch or ())
+    return tuple(rules) + (("act_batch", (*batch, "cp")), ("act_seq", None))
 
 
 def loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, batch: dict[str, jax.Array], grad_accum: int = 1,
-                   dropout_key=None):
+                   dropout_key=None, loss_chunk: int = 0):
     """(mean loss, target tokens, d mean loss / d LoRA) over a global batch, one micro-batch at a time.
 
     Sums of per-token losses and gradients are divided once by the batch's target-token count, so the
     result does not depend on how the batch is split over micro-batches or devices.
     """
     def micro_loss(lora, micro, key):
-        return loss_sums(nnx.merge(graphdef, base, lora), micro, key)
+        return loss_sums(nnx.merge(graphdef, base, lora), micro, key, loss_chunk)
 
     # [B, T] -> [accum, B / accum, T]; micro-batch k takes rows k, k + accum, ...: every device's block
     # of rows feeds every micro-batch.
@@ -84,23 +109,25 @@ def loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, batch: dict[str, 
     return loss_sum / denom, tokens, jax.tree.map(lambda g: g / denom, grads)
 
 
-def build_steps(graphdef, schedule, tx: optax.GradientTransformation, grad_accum: int, dropout: bool = False):
+def build_steps(graphdef, schedule, tx: optax.GradientTransformation, grad_accum: int, dropout: bool = False,
+                loss_chunk: int = 0):
     """Pure train/eval step functions over (state, frozen base, batch); the caller jits them.
 
-    With `dropout`, each step draws its LoRA dropout masks from the state's key stream.
+    With `dropout`, each step draws its LoRA dropout masks from the state's key stream; `loss_chunk` as
+    in `loss_sums`.
     """
 
     def train_step(state: TrainState, base, batch):
         rng, step_key = jax.random.split(state.rng)
         loss, tokens, grads = loss_and_grads(graphdef, state.lora, base, batch, grad_accum,
-                                             step_key if dropout else None)
+                                             step_key if dropout else None, loss_chunk)
         updates, opt_state = tx.update(grads, state.opt_state, state.lora)
         lora = optax.apply_updates(state.lora, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step), "tokens": tokens}
         return TrainState(state.step + 1, lora, opt_state, rng), metrics
 
     def eval_step(lora, base, batch):
-        return loss_sums(nnx.merge(graphdef, base, lora), batch)
+        return loss_sums(nnx.merge(graphdef, base, lora), batch, chunk=loss_chunk)
 
     return train_step, eval_step
 
@@ -112,7 +139,8 @@ def jit_steps(graphdef, config: TrainConfig, tx: optax.GradientTransformation, s
 
     The train step donates the state; the batch is split as `jaxmodel.sharding.batch_sharding` says.
     """
-    train_fn, eval_fn = build_steps(graphdef, schedule, tx, config.grad_accum, dropout=config.lora_dropout > 0)
+    train_fn, eval_fn = build_steps(graphdef, schedule, tx, config.grad_accum, dropout=config.lora_dropout > 0,
+                                    loss_chunk=config.loss_chunk)
     replicated = NamedSharding(mesh, PartitionSpec())
     batch = batch_sharding(mesh, rules)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)

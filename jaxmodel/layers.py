@@ -69,14 +69,18 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y_no = y_no + self.bias[...].astype(self.dtype)
         if self.lora_a is not None:
-            # Scale the small [n, r] product, not the [n, out] one: its gradient is then cheap too.
-            x_lora = x_ni.astype(jnp.float32)
-            if dropout_key is not None and self.lora_dropout > 0:
-                keep = jax.random.bernoulli(dropout_key, 1.0 - self.lora_dropout, x_lora.shape)
-                x_lora = jnp.where(keep, x_lora / (1.0 - self.lora_dropout), 0.0)
-            xa_nr = (x_lora @ self.lora_a[...].astype(jnp.float32)) * self.lora_scale
-            y_no = (y_no.astype(jnp.float32) + xa_nr @ self.lora_b[...].astype(jnp.float32)).astype(self.dtype)
+            y_no = (y_no.astype(jnp.float32) + self.lora_delta(x_ni, dropout_key)).astype(self.dtype)
         return y_no.reshape(*lead, y_no.shape[-1])
+
+    def lora_delta(self, x_ni: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        """The LoRA branch `scale * (dropout(x) A) B`, float32 `[n, out]` for tokens `x_ni` `[n, in]`."""
+        # Scale the small [n, r] product, not the [n, out] one: its gradient is then cheap too.
+        x_lora = x_ni.astype(jnp.float32)
+        if dropout_key is not None and self.lora_dropout > 0:
+            keep = jax.random.bernoulli(dropout_key, 1.0 - self.lora_dropout, x_lora.shape)
+            x_lora = jnp.where(keep, x_lora / (1.0 - self.lora_dropout), 0.0)
+        xa_nr = (x_lora @ self.lora_a[...].astype(jnp.float32)) * self.lora_scale
+        return xa_nr @ self.lora_b[...].astype(jnp.float32)
 
 
 class Embed(nnx.Module):

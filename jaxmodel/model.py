@@ -10,9 +10,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxmodel.attention import ATTENTION_IMPLS, attention
+from jaxmodel.context_parallel import context_parallel_attention, cp_order, cp_size
 from jaxmodel.config import LlamaConfig
 from jaxmodel.layers import Embed, Linear, RMSNorm
 from jaxmodel.rope import apply_rope, cos_sin, inv_freq
@@ -23,6 +26,13 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # keep the attention projections (q, k, v, attention output, o_proj) and nothing of attention's
+    # internals or the MLP: linear in the sequence whatever the attention path
+    "projections": jax.checkpoint_policies.save_only_these_names("projection"),
+    # keep nothing on the device; the layer's input goes to host memory where the backend has it
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -61,8 +71,10 @@ class Attention(nnx.Module):
             k_btkh = jax.lax.dynamic_update_slice(kv[0], k_btkh.astype(kv[0].dtype), (0, cache_index, 0, 0))
             v_btkh = jax.lax.dynamic_update_slice(kv[1], v_btkh.astype(kv[1].dtype), (0, cache_index, 0, 0))
             kv = (k_btkh, v_btkh)
-        out_btnh = attention(q_btnh, k_btkh, v_btkh, dtype=self.dtype, **mask)
-        return self.o_proj(out_btnh.reshape(b, t, n * h), keys[3]), kv
+        q_btnh, k_btkh, v_btkh = (checkpoint_name(x, "projection") for x in (q_btnh, k_btkh, v_btkh))
+        attend = context_parallel_attention if "segment_ids_bt" in mask else attention
+        out_btnh = checkpoint_name(attend(q_btnh, k_btkh, v_btkh, dtype=self.dtype, **mask), "projection")
+        return checkpoint_name(self.o_proj(out_btnh.reshape(b, t, n * h), keys[3]), "projection"), kv
 
 
 class MLP(nnx.Module):
@@ -75,9 +87,27 @@ class MLP(nnx.Module):
         self.up_proj = Linear(c.hidden_size, c.intermediate_size, axes=("mlp", "embed"), **kw)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, axes=("embed", "mlp"), **kw)
 
-    def __call__(self, x_btd, key=None):
+    def __call__(self, x_btd, key=None, chunk: int = 0):
+        """With `chunk`, tokens go through in chunks of `chunk` positions per device (a scan with remat), so
+        the `[tokens, intermediate]` activations and their gradients exist for one chunk at a time."""
+        b, t, d = x_btd.shape
+        cp = cp_size()  # chunks stay within each device's part of the sequence
+        if not chunk or t // cp <= chunk or (t // cp) % chunk:
+            return self._swiglu(x_btd, key)
+        n = t // cp // chunk
+        x_nbccd = x_btd.reshape(b, cp, n, chunk, d).transpose(2, 0, 1, 3, 4)
+        keys = None if key is None else jax.random.split(key, n)
+
+        def step(_, xs):
+            x_bccd, chunk_key = xs
+            return None, self._swiglu(x_bccd, chunk_key)
+
+        _, y_nbccd = jax.lax.scan(jax.checkpoint(step, prevent_cse=False), None, (x_nbccd, keys))
+        return y_nbccd.transpose(1, 2, 0, 3, 4).reshape(b, t, d)
+
+    def _swiglu(self, x, key=None):
         keys = _split(key, 3)
-        return self.down_proj(jax.nn.silu(self.gate_proj(x_btd, keys[0])) * self.up_proj(x_btd, keys[1]), keys[2])
+        return self.down_proj(jax.nn.silu(self.gate_proj(x, keys[0])) * self.up_proj(x, keys[1]), keys[2])
 
 
 class DecoderLayer(nnx.Module):
@@ -89,22 +119,24 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, layers=layers, param_dtype=param_dtype)
         self.mlp = MLP(config, **kw)
 
-    def __call__(self, x_btd, cos_bth, sin_bth, mask: dict, kv, cache_index, key=None):
+    def __call__(self, x_btd, cos_bth, sin_bth, mask: dict, kv, cache_index, key=None, mlp_chunk: int = 0):
         attn_key, mlp_key = _split(key, 2)
         attn_btd, kv = self.self_attn(self.input_layernorm(x_btd), cos_bth, sin_bth, mask, kv, cache_index,
                                       attn_key)
         h_btd = x_btd + attn_btd
-        return h_btd + self.mlp(self.post_attention_layernorm(h_btd), mlp_key), kv
+        return h_btd + self.mlp(self.post_attention_layernorm(h_btd), mlp_key, mlp_chunk), kv
 
 
 class LlamaForCausalLM(nnx.Module):
     """Llama 3.x causal LM. Decoder layers are one stacked module run with `jax.lax.scan`, so compile
     time does not grow with depth; `remat` names the rematerialisation policy of the scanned body and
     `attention` the attention implementation without a cache: "xla" (dense scores) or "blockwise"
-    (memory linear in the sequence, `jaxmodel.attention.blockwise_attention`)."""
+    (memory linear in the sequence, `jaxmodel.attention.blockwise_attention`). `mlp_chunk` > 0 runs the
+    MLP over chunks of that many positions. Under a mesh with a `cp` axis the sequence is split over it
+    (`jaxmodel.context_parallel`)."""
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
-                 attention: str = "xla", rules: Rules = DEFAULT_RULES, rngs: nnx.Rngs):
+                 attention: str = "xla", mlp_chunk: int = 0, rules: Rules = DEFAULT_RULES, rngs: nnx.Rngs):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
         if attention not in ATTENTION_IMPLS:
@@ -113,6 +145,7 @@ class LlamaForCausalLM(nnx.Module):
         self.dtype = dtype
         self.remat = remat
         self.attention = attention
+        self.mlp_chunk = mlp_chunk
         self.rules = tuple(rules)  # logical axes -> mesh axes, for activations under a mesh
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                   rngs=rngs)
@@ -133,15 +166,50 @@ class LlamaForCausalLM(nnx.Module):
         documents packed into a row (0 = padding): a token attends only within its own document, and
         `positions` should then restart at each document's start. `dropout_key` switches on LoRA dropout.
         """
+        h_btd = self.hidden_states(input_ids, attention_mask=attention_mask, positions=positions,
+                                   segment_ids=segment_ids, dropout_key=dropout_key)
+        order = self.sequence_order(input_ids.shape[1])
+        if order is not None:
+            h_btd = jnp.take(h_btd, np.argsort(order), axis=1)
+        return self.head(h_btd)
+
+    def sequence_order(self, t: int) -> np.ndarray | None:
+        """The order of positions in `hidden_states`' output: None for the natural one; under a mesh with
+        `cp` > 1, `order[p]` is the original position of the token at `p` (`jaxmodel.context_parallel`)."""
+        cp = cp_size()
+        return None if cp == 1 else cp_order(t, cp)
+
+    def hidden_states(self, input_ids, *, attention_mask=None, positions=None, segment_ids=None,
+                      dropout_key=None) -> jax.Array:
+        """The final normed hidden states `[b, t, d]` (compute dtype), positions in `sequence_order(t)`."""
         b, t = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-        if self.attention == "blockwise":
+        order = self.sequence_order(t)
+        if order is not None:
+            segments_bt = _segments(attention_mask, segment_ids)
+            segments_bt = jnp.ones((b, t), jnp.int32) if segments_bt is None else segments_bt
+            input_ids, positions, segments_bt = (jnp.take(x, order, axis=1) for x in (input_ids, positions, segments_bt))
+            mask = dict(impl=self.attention, segment_ids_bt=segments_bt)
+        elif self.attention == "blockwise":
             segments_bt = _segments(attention_mask, segment_ids)
             mask = dict(impl="blockwise", q_segment_ids=segments_bt, kv_segment_ids=segments_bt)
         else:  # causality is added by `attention`, from the positions' indices
             mask = dict(impl=self.attention, mask_bts=_dense_key_mask(attention_mask, segment_ids))
-        logits, _ = self._forward(input_ids, positions, mask, None, 0, dropout_key)
+        h_btd, _ = self._layers(input_ids, positions, mask, None, 0, dropout_key)
+        return self.norm(h_btd)
+
+    def head(self, h_btd) -> jax.Array:
+        """float32 logits `[..., v]` of hidden states `[..., d]`: the LM head (or the tied embedding), with
+        its LoRA adapter when `lm_head` has one (without dropout: the loss may run the head in chunks)."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        w_vd = head.weight[...].astype(self.dtype)
+        logits = jnp.einsum("...d,vd->...v", h_btd.astype(self.dtype), w_vd, preferred_element_type=jnp.float32)
+        if self.lm_head is not None and self.lm_head.lora_a is not None:
+            *lead, d = h_btd.shape
+            logits = logits + self.lm_head.lora_delta(h_btd.reshape(-1, d)).reshape(*lead, -1)
+        if logits.ndim == 3:
+            logits = constrain(logits, ("act_batch", "act_seq", "act_vocab"), self.rules)
         return logits
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
@@ -159,9 +227,11 @@ class LlamaForCausalLM(nnx.Module):
         # query i sits at slot cache_index + i and sees slots up to it (attention's q_offset)
         mask_bts = jnp.broadcast_to(key_valid.astype(bool)[:, None, :], (b, t, s))
         mask = dict(impl="xla", mask_bts=mask_bts, q_offset=cache_index)
-        return self._forward(input_ids, positions, mask, cache, cache_index)
+        h_btd, cache = self._layers(input_ids, positions, mask, cache, cache_index)
+        return self.head(self.norm(h_btd)), cache
 
-    def _forward(self, input_ids, positions, mask: dict, cache: KVCache | None, cache_index, dropout_key=None):
+    def _layers(self, input_ids, positions, mask: dict, cache: KVCache | None, cache_index, dropout_key=None):
+        """The decoder stack: hidden states `[b, t, d]` before the final norm, and the updated cache."""
         c = self.config
         cos_bth, sin_bth = cos_sin(positions, inv_freq(c.rope, c.head_dim), self.dtype)
         h_btd = constrain(self.embed_tokens(input_ids, self.rules), ("act_batch", "act_seq", "act_embed"), self.rules)
@@ -171,7 +241,9 @@ class LlamaForCausalLM(nnx.Module):
 
         def layer_step(h_btd, xs):
             state, kv, key = xs
-            h_btd, kv = nnx.merge(graphdef, state)(h_btd, cos_bth, sin_bth, mask, kv, cache_index, key)
+            h_btd = checkpoint_name(h_btd, "layer_input")
+            h_btd, kv = nnx.merge(graphdef, state)(h_btd, cos_bth, sin_bth, mask, kv, cache_index, key,
+                                                   self.mlp_chunk)
             return constrain(h_btd, act, self.rules), kv
 
         policy = REMAT_POLICIES[self.remat]
@@ -180,12 +252,7 @@ class LlamaForCausalLM(nnx.Module):
         kv_xs = None if cache is None else (cache.k, cache.v)
         layer_keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_hidden_layers)
         h_btd, kv_ys = jax.lax.scan(layer_step, h_btd, (layer_state, kv_xs, layer_keys))
-        h_btd = self.norm(h_btd)
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        w_vd = head.weight[...].astype(self.dtype)
-        logits_btv = jnp.einsum("btd,vd->btv", h_btd, w_vd, preferred_element_type=jnp.float32)
-        logits_btv = constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"), self.rules)
-        return logits_btv, (None if cache is None else KVCache(*kv_ys))
+        return h_btd, (None if cache is None else KVCache(*kv_ys))
 
 
 def _dense_key_mask(attention_mask, segment_ids) -> jax.Array | None:

@@ -17,7 +17,8 @@ from jaxmodel.sharding import DEFAULT_RULES, Rules, named_sharding
 
 
 def load_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None, dtype=None, param_dtype=None,
-                    rules: Rules = DEFAULT_RULES, remat: str = "none") -> LlamaForCausalLM:
+                    rules: Rules = DEFAULT_RULES, remat: str = "none", attention: str = "xla",
+                    mlp_chunk: int = 0) -> LlamaForCausalLM:
     """Build the model from a converted checkpoint.
 
     With a mesh, each parameter is placed straight onto its sharding (from its logical axes and `rules`)
@@ -31,7 +32,8 @@ def load_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None, 
     if dtype is None:
         dtype = param_dtype or DTYPES_BY_NAME[stored.get("embed_tokens.weight", {}).get("dtype", "float32")]
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, param_dtype=param_dtype or dtype,
-                                                       remat=remat, rules=rules, rngs=nnx.Rngs(0)))
+                                                       remat=remat, attention=attention, mlp_chunk=mlp_chunk,
+                                                       rules=rules, rngs=nnx.Rngs(0)))
     for names, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
         name = ".".join(map(str, names))
         entry = stored.get(name)

@@ -9,29 +9,31 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
-# The device mesh's axes, in mesh order: data parallel, fully sharded data parallel, model parallel.
-MESH_AXES = ("dp", "fsdp", "mp")
+# The device mesh's axes, in mesh order: data parallel, fully sharded data parallel, context parallel (the
+# sequence), model parallel.
+MESH_AXES = ("dp", "fsdp", "cp", "mp")
 # Logical axes of a batch of token rows `[batch, seq]` (input ids, targets, masks).
 BATCH_AXES = ("act_batch", "act_seq")
 
-# Weights are split over `fsdp` along the hidden ("embed") dimension and over `mp` along heads / MLP /
-# vocab, so that every matrix is split both ways on a full (fsdp, mp) mesh. The layer axis stays whole:
-# the scan walks it.
+# Weights are split over `fsdp` and `cp` together along the hidden ("embed") dimension and over `mp` along
+# heads / MLP / vocab, so that every matrix is split over every device of a full mesh (with `cp` > 1 the
+# frozen weights must still be model / devices per device). The layer axis stays whole: the scan walks it.
 DEFAULT_RULES: Rules = (
     # parameters
     ("layers", None),
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "cp")),
     ("vocab", "mp"),
     ("heads", "mp"),
     ("kv_heads", "mp"),
     ("mlp", "mp"),
     ("norm", None),
-    # B [r, out]: out is on mp, so r carries the fsdp split; when fsdp does not divide r, B's out
+    # B [r, out]: out is on mp, so r carries the fsdp (and cp) split; when they do not divide r, B's out
     # dimension (logical axes (out, "lora_rank"), see jaxmodel/lora.py) takes it instead.
-    ("lora_rank", "fsdp"),
-    # activations: the batch over (dp, fsdp), the hidden state whole, heads/mlp/vocab over mp
+    ("lora_rank", ("fsdp", "cp")),
+    # activations: the batch over (dp, fsdp), the sequence over cp, the hidden state whole,
+    # heads/mlp/vocab over mp
     ("act_batch", ("dp", "fsdp")),
-    ("act_seq", None),
+    ("act_seq", "cp"),
     ("act_embed", None),
     ("act_vocab", "mp"),
 )
@@ -40,8 +42,9 @@ DEFAULT_RULES: Rules = (
 def partition_spec(axes: Sequence[str | tuple[str, ...] | None], shape: Sequence[int], mesh: Mesh,
                    rules: Rules = DEFAULT_RULES) -> PartitionSpec:
     """The PartitionSpec for a parameter with logical `axes`. A dimension may name several logical axes:
-    it is split over all their mesh axes that no earlier dimension took. A dimension that its mesh axes
-    do not divide evenly stays unsplit (tiny test models; LoRA ranks below the fsdp size)."""
+    it is split over all their mesh axes that no earlier dimension took. Mesh axes of size 1 are left out
+    (a spec names only real splits). A dimension that its mesh axes do not divide evenly stays unsplit
+    (tiny test models; LoRA ranks below the fsdp size)."""
     table = dict(rules)
     spec = []
     used: set[str] = set()
@@ -50,7 +53,7 @@ def partition_spec(axes: Sequence[str | tuple[str, ...] | None], shape: Sequence
         for logical in (name,) if isinstance(name, str) or name is None else name:
             found = table.get(logical) if logical is not None else None
             mesh_axes += [found] if isinstance(found, str) else list(found or ())
-        mesh_axes = tuple(dict.fromkeys(a for a in mesh_axes if a in mesh.shape and a not in used))
+        mesh_axes = tuple(dict.fromkeys(a for a in mesh_axes if mesh.shape.get(a, 1) > 1 and a not in used))
         ways = 1
         for a in mesh_axes:
             ways *= mesh.shape[a]
@@ -82,8 +85,9 @@ def batch_mesh_axes(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> tuple[str, ...]
 
 
 def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
-    """How a batch `[batch, seq]` lies on the mesh: rows split over `batch_mesh_axes`, each row whole
-    (callers check with `batch_ways` that the rows divide evenly)."""
+    """How a batch `[batch, seq]` lies on the mesh: rows split over `batch_mesh_axes`, each row whole (callers
+    check with `batch_ways` that the rows divide evenly). With `cp` the model splits the sequence itself, in
+    its load-balanced order; the token rows are small next to the activations."""
     return NamedSharding(mesh, PartitionSpec(batch_mesh_axes(mesh, rules) or None))
 
 

@@ -17,8 +17,8 @@ from finetune.setup import setup  # noqa: E402
 from finetune.train import global_batch  # noqa: E402
 
 
-def main(model, data, out, port, process_id):
-    config = TrainConfig(model=model, data=data, out=out, mesh="dp=2,fsdp=4,mp=1", steps=1, batch_size=8, seq_len=32,
+def main(model, data, out, port, process_id, mesh="dp=2,fsdp=4,mp=1"):
+    config = TrainConfig(model=model, data=data, out=out, mesh=mesh, steps=1, batch_size=8, seq_len=32,
                          dtype="float32", progress=False, coordinator=f"127.0.0.1:{port}", num_processes=2,
                          process_id=int(process_id)).validate()
     run = setup(config)
@@ -27,7 +27,8 @@ def main(model, data, out, port, process_id):
     with jax.set_mesh(run.mesh):
         batch = global_batch(run.train_rows, lambda lo, hi: row_indices(len(run.train_rows), 0, 0, 8, lo, hi),
                               run.batch_sharding, 8)
-        fn = jax.jit(lambda lora, base, batch: loss_and_grads(run.graphdef, lora, base, batch))
+        fn = jax.jit(lambda lora, base, batch: loss_and_grads(run.graphdef, lora, base, batch,
+                                                              loss_chunk=config.loss_chunk))
         loss, tokens, grads = fn(lora, run.base, batch)
         gathered = multihost_utils.process_allgather((loss, tokens, grads), tiled=True)
     if jax.process_index() == 0:
