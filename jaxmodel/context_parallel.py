@@ -6,7 +6,7 @@ attention work is equal on all of them. Everything but attention is per token an
 as it is (RoPE takes each token's own position). Attention all-gathers K/V over `cp` once per layer (as
 Llama 3's own long-context training did): each device attends its two query chunks to the whole key
 sequence, with the chunks' true offsets for the causal mask; the all-gather's transpose in the backward
-pass reduce-scatters dK/dV.
+pass reduce-scatters dK/dV (in float32).
 
 Shapes: b batch, t positions, n query heads, k kv heads, h head_dim.
 """
@@ -38,6 +38,26 @@ def cp_order(t: int, cp: int) -> np.ndarray:
     return np.concatenate([np.arange(j * c, (j + 1) * c) for j in chunks])
 
 
+@jax.custom_vjp
+def _gather_sequence(x_bs):
+    """All of the sequence `x_bs[:, s]` from every device of `cp` (tiled, in device order)."""
+    return jax.lax.all_gather(x_bs, AXIS, axis=1, tiled=True)
+
+
+def _gather_fwd(x_bs):
+    return _gather_sequence(x_bs), None
+
+
+def _gather_bwd(_, grad_bs):
+    # dK/dV summed over the devices that read them, in float32: more exact than a bf16 sum, and XLA:CPU
+    # (jax 0.10) aborts compiling the bf16 reduce-scatter that all_gather's own transpose makes here.
+    summed = jax.lax.psum_scatter(grad_bs.astype(jnp.float32), AXIS, scatter_dimension=1, tiled=True)
+    return (summed.astype(grad_bs.dtype),)
+
+
+_gather_sequence.defvjp(_gather_fwd, _gather_bwd)
+
+
 def context_parallel_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, *, segment_ids_bt,
                                impl: str, dtype=None) -> jax.Array:
     """Causal attention of a cp-layout sequence split over `cp`; `segment_ids_bt` (0 = padding) as in
@@ -50,8 +70,8 @@ def context_parallel_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax
     def local(q_btnh, k_btkh, v_btkh, seg_bt):
         # This device's two chunks against every key, in original order.
         i = jax.lax.axis_index(AXIS)
-        k_all, v_all, seg_all = (jnp.take(jax.lax.all_gather(x, AXIS, axis=1, tiled=True), back_to_original, axis=1)
-                                 for x in (k_btkh, v_btkh, seg_bt))
+        k_all, v_all = (jnp.take(_gather_sequence(x), back_to_original, axis=1) for x in (k_btkh, v_btkh))
+        seg_all = jnp.take(jax.lax.all_gather(seg_bt, AXIS, axis=1, tiled=True), back_to_original, axis=1)
         halves = []
         for half, chunk_index in enumerate((i, 2 * cp - 1 - i)):
             rows = slice(half * chunk, (half + 1) * chunk)

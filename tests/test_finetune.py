@@ -16,10 +16,13 @@ from jax.sharding import PartitionSpec as P
 
 from finetune.cli import main
 from finetune.config import TrainConfig
-from finetune.step import loss_and_grads
-from finetune.setup import setup
-from finetune.train import global_batch, run_training
 from finetune.data import row_indices
+from finetune.run_dir import load_run, read_run_config
+from finetune.setup import setup
+from finetune.step import loss_and_grads, split_model
+from finetune.train import global_batch, run_training
+from jaxmodel import load_pretrained
+from jaxmodel.lora import apply_lora
 
 
 def addition_rows(n=48, seed=0):
@@ -35,8 +38,9 @@ def data_file(tmp_path_factory):
 
 
 def config(tiny_converted, data_file, out, **kw) -> TrainConfig:
-    values = dict(model=str(tiny_converted), data=str(data_file), out=str(out), mesh="dp=1,fsdp=-1,mp=1", steps=6,
-                  batch_size=8, seq_len=32, dtype="float32", lr=3e-3, progress=False, checkpoint_every=100)
+    values = {"model": str(tiny_converted), "data": str(data_file), "out": str(out), "mesh": "dp=1,fsdp=-1,mp=1",
+              "steps": 6, "batch_size": 8, "seq_len": 32, "dtype": "float32", "lr": 3e-3, "progress": False,
+              "checkpoint_every": 100}
     values.update(kw)
     return TrainConfig(**values).validate()
 
@@ -67,16 +71,91 @@ def test_only_lora_trains_and_the_loss_falls(tmp_path, tiny_converted, data_file
     assert sum(x.size for x in opt_leaves) <= 2 * sum(v.size for v in lora_before.values()) + 10
 
 
-def test_metrics_eval_loss_and_tensorboard(tmp_path, tiny_converted, data_file):
+# Two adapters per layer and no rematerialisation halve the train step's compile time (CPU); tests that
+# use them check what a run logs or resumes, which does not depend on either.
+FAST_COMPILE = {"targets": "q_proj,v_proj", "remat": "none"}
+
+
+class TickingClock:
+    """`time.perf_counter` advancing exactly `tick` seconds per call: each train step then lasts one tick."""
+
+    def __init__(self, tick: float):
+        self.tick, self.now = tick, 0.0
+
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def hand_flops_per_token(c: dict, seq_len: int) -> float:
+    """A LoRA step's model FLOPs per token for HF config `c`, written out: 4N + 12·L·T·H, N the matmul
+    weights (q, k, v, o, gate, up, down per layer, and the LM head), H = heads·head_dim."""
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    per_layer = c["hidden_size"] * (2 * q + 2 * kv) + 3 * c["hidden_size"] * c["intermediate_size"]
+    n = c["num_hidden_layers"] * per_layer + c["hidden_size"] * c["vocab_size"]
+    return 4 * n + 12 * c["num_hidden_layers"] * seq_len * q
+
+
+def independent_eval_loss(tiny_converted, run_dir: Path, steps: tuple[int, ...], rows, seq_len: int) -> list[float]:
+    """Per checkpointed step of the run: the mean completion-token cross-entropy of prompt/completion `rows`,
+    each alone in a right-padded row, with that step's LoRA on the converted model; float64 log-softmax of
+    the logits in numpy."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_converted)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    documents = []
+    for row in rows:
+        prompt = [tokenizer.bos_token_id] + encode(row["prompt"])
+        completion = encode(row["completion"]) + [tokenizer.eos_token_id]
+        documents.append((prompt + completion, range(len(prompt), len(prompt) + len(completion))))
+    ids_bt = np.full((len(rows), seq_len), tokenizer.pad_token_id, np.int32)
+    for i, (ids, _) in enumerate(documents):
+        ids_bt[i, :len(ids)] = ids
+    lora_config = read_run_config(run_dir).lora_config()
+    graphdef, _, base = split_model(apply_lora(load_pretrained(tiny_converted), lora_config, rngs=nnx.Rngs(0)))
+    forward = jax.jit(lambda lora, ids: nnx.merge(graphdef, lora, base)(ids))
+    losses = []
+    for step in steps:
+        lora, _, _ = load_run(run_dir, step)
+        logits_btv = np.asarray(forward(lora, ids_bt), np.float64)
+        shifted = logits_btv - logits_btv.max(-1, keepdims=True)
+        log_probs_btv = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+        losses.append(float(np.mean([-log_probs_btv[i, j - 1, ids[j]]
+                                     for i, (ids, targets) in enumerate(documents) for j in targets])))
+    return losses
+
+
+def test_metrics_eval_loss_and_tensorboard(tmp_path, tiny_converted, data_file, monkeypatch):
+    """Each record's tokens/s is the step's tokens over its time (one clock tick here), its MFU the model
+    FLOPs counted by hand over the peak (fixed here), and each eval loss that of the held-out rows
+    evaluated independently with the LoRA checkpointed at the same step."""
+    import finetune.train
+
+    peak_per_device, tick = 1e9, 0.25
+    monkeypatch.setattr(finetune.train, "measure_peak_flops", lambda dtype: peak_per_device)
+    monkeypatch.setattr(finetune.train, "time", TickingClock(tick))
     out = tmp_path / "run"
-    summary = run_training(config(tiny_converted, data_file, out, steps=4, eval_fraction=0.25, eval_every=2))
+    summary = run_training(config(tiny_converted, data_file, out, steps=4, eval_fraction=0.25, eval_every=2,
+                                  checkpoint_every=2, **FAST_COMPILE))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
+    tokens_per_step = 8 * 32
+    flops = hand_flops_per_token(json.loads((tiny_converted / "config.json").read_text()), 32)
+    expected_mfu = flops * tokens_per_step / tick / (peak_per_device * jax.device_count())
     for r in records:
-        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= r.keys()
-        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "target_tokens"} <= r.keys()
+        assert r["tokens_per_s"] == tokens_per_step / tick
+        assert r["mfu"] == pytest.approx(expected_mfu, rel=1e-12)
     assert [("eval_loss" in r) for r in records] == [False, True, False, True]
-    assert records[3]["eval_loss"] < records[1]["eval_loss"] + 1.0 and records[3]["eval_loss"] > 0
+    # --eval-fraction 0.25 holds out the first quarter of a permutation seeded with --seed
+    held_out = [addition_rows()[i] for i in sorted(np.random.default_rng(0).permutation(48)[:12])]
+    expected = independent_eval_loss(tiny_converted, out, (2, 4), held_out, 32)
+    assert [records[1]["eval_loss"], records[3]["eval_loss"]] == pytest.approx(expected, rel=1e-5)
+    assert abs(expected[1] - expected[0]) > 1e-3 * expected[0]  # so a loss of the wrong step would not pass
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert str(summary).startswith("trained 4 steps, loss ")
 
@@ -125,24 +204,68 @@ def test_lora_state_is_sharded_like_its_base_weight(tmp_path, tiny_converted, da
     assert mu.sharding.spec == P(None, "fsdp", None)
 
 
-def test_resume_continues_exactly(tmp_path, tiny_converted, data_file):
-    straight = config(tiny_converted, data_file, tmp_path / "straight", steps=10, checkpoint_every=5)
-    run_training(straight)
-    run_training(config(tiny_converted, data_file, tmp_path / "resumed", steps=10, checkpoint_every=5, stop_after=5))
-    run_training(config(tiny_converted, data_file, tmp_path / "resumed", steps=10, checkpoint_every=5, resume=True))
-    a = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
-    b = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in b] == list(range(1, 11))
-    assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bit for bit
-    from finetune.checkpoints import RunCheckpoints
+# Dropout and gradient accumulation on: a resume must restore the dropout key stream, not only the
+# parameters, optimizer state and data position. fsdp=4 so that each micro-batch of 4 rows splits evenly.
+RESUMED = {"steps": 4, "lora_dropout": 0.1, "grad_accum": 2, "mesh": "dp=1,fsdp=4,mp=2", **FAST_COMPILE}
 
-    run = setup(straight)
-    with jax.set_mesh(run.mesh):
-        sa, meta_a = RunCheckpoints(tmp_path / "straight" / "checkpoints", 3).restore(run.state)
-        sb, meta_b = RunCheckpoints(tmp_path / "resumed" / "checkpoints", 3).restore(run.state)
-    assert meta_a == meta_b == {"data_position": 10, "step": 10}
-    for name, value in flat(sa.lora).items():
-        np.testing.assert_array_equal(value, flat(sb.lora)[name], err_msg=name)
+
+def skip_peak_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fixed peak FLOP/s instead of seconds of timed matmuls per run, where MFU is not under test."""
+    import finetune.train
+
+    monkeypatch.setattr(finetune.train, "measure_peak_flops", lambda dtype: 1e12)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_converted, data_file, tmp_path_factory):
+    """The run directory of an uninterrupted RESUMED run."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        skip_peak_measurement(monkeypatch)
+        run_training(config(tiny_converted, data_file, out, **RESUMED))
+    return out
+
+
+def assert_same_run(expected: Path, got: Path) -> None:
+    """Bit-identical loss at every step and final LoRA arrays."""
+    a = [json.loads(line) for line in (expected / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(line) for line in (got / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bit for bit
+    (lora_a, _, step_a), (lora_b, _, step_b) = load_run(expected), load_run(got)
+    assert step_a == step_b == 4
+    for name, value in flat(lora_a).items():
+        np.testing.assert_array_equal(value, flat(lora_b)[name], err_msg=name)
+
+
+def test_resume_with_dropout_and_accumulation_continues_exactly(tmp_path, tiny_converted, data_file, uninterrupted,
+                                                               monkeypatch):
+    """Two steps, a checkpoint, then `resume=True` for the other two: the same run bit for bit."""
+    skip_peak_measurement(monkeypatch)
+    resumed = tmp_path / "resumed"
+    run_training(config(tiny_converted, data_file, resumed, stop_after=2, **RESUMED))
+    run_training(config(tiny_converted, data_file, resumed, resume=True, **RESUMED))
+    assert_same_run(uninterrupted, resumed)
+
+
+def test_cli_resume_from_a_yaml_config_continues_exactly(tmp_path, tiny_converted, data_file, uninterrupted, capsys,
+                                                        monkeypatch):
+    """`finetune-lora --config run.yaml --stop-after 2`, then `--config run.yaml --resume`: the same run bit
+    for bit as the uninterrupted one started from Python with the same options."""
+    import yaml
+
+    skip_peak_measurement(monkeypatch)
+    resumed = tmp_path / "resumed"
+    options = {"model": str(tiny_converted), "data": str(data_file), "out": str(resumed), "batch-size": 8,
+               "seq-len": 32, "dtype": "float32", "lr": 3e-3, "progress": False, "checkpoint-every": 100,
+               **{k.replace("_", "-"): v for k, v in RESUMED.items()}}
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text(yaml.safe_dump(options))
+    assert main(["--config", str(run_yaml), "--stop-after", "2"]) == 0
+    assert capsys.readouterr().out.startswith("trained 2 steps")
+    assert main(["--config", str(run_yaml), "--resume"]) == 0
+    assert capsys.readouterr().out.startswith("trained 2 steps")
+    assert_same_run(uninterrupted, resumed)
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, tiny_converted, data_file):
@@ -177,7 +300,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--mesh", "dp=3,fsdp=1,mp=1"], "--mesh 'dp=3,fsdp=1,mp=1': dp x fsdp x mp = 3x1x1 = 3 devices, but 8 are available"),
+    (["--mesh", "dp=3,fsdp=1,mp=1"], "--mesh 'dp=3,fsdp=1,mp=1': dp x fsdp x cp x mp = 3x1x1x1 = 3 devices, but 8 are available"),
     (["--rank", "0"], "--rank must be a positive integer, got 0"),
     (["--seq-len", "4096"], "--seq-len 4096 exceeds the model's max_position_embeddings (1024)"),
     (["--targets", "q_proj,attn"], "LoRA targets ['attn']"),

@@ -1,4 +1,5 @@
-"""KV-cache generation: greedy decode equals the full forward step by step, and transformers' greedy."""
+"""KV-cache generation: greedy decode equals the full forward step by step, and transformers' greedy;
+sampling draws from the distribution transformers' temperature and top-p warpers give."""
 
 import jax
 import jax.numpy as jnp
@@ -6,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from jaxmodel import load_pretrained
-from jaxmodel import generate
+from jaxmodel import generate, load_pretrained
+from jaxmodel.generation import _sample
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +74,64 @@ def test_bad_arguments_are_rejected(model, prompts):
         generate(model, prompts, 0)
     with pytest.raises(ValueError, match="top_p"):
         generate(model, prompts, 3, top_p=0.0)
+
+
+# Fixed logits, three rows over a 24-token vocabulary: distinct values, so no ties at the nucleus edge.
+SAMPLING_LOGITS = (2.0 * np.random.default_rng(11).standard_normal((3, 24))).astype(np.float32)
+SAMPLING = [(0.7, 0.9), (0.7, 0.5), (1.3, 1.0)]  # (temperature, top_p)
+
+
+def transformers_distribution(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """The distribution transformers samples from: temperature, then top-p, then softmax (float32)."""
+    scores = TemperatureLogitsWarper(temperature)(None, torch.tensor(logits))
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.softmax(scores, dim=-1).numpy()
+
+
+def nucleus_margin(logits: np.ndarray, temperature: float, top_p: float) -> float:
+    """How far `top_p` is from every cumulative probability of the sorted tokens (float64): a margin
+    far above float32 rounding means both implementations must cut at the same token."""
+    z = np.sort(logits.astype(np.float64) / temperature, axis=-1)[:, ::-1]
+    probs = np.exp(z - z.max(-1, keepdims=True))
+    cumulative = np.cumsum(probs / probs.sum(-1, keepdims=True), axis=-1)
+    return float(np.abs(cumulative - top_p).min())
+
+
+@pytest.mark.parametrize("temperature, top_p", SAMPLING)
+def test_sampler_draws_from_transformers_warped_distribution(monkeypatch, temperature, top_p):
+    """The logits the sampler hands to `jax.random.categorical` define exactly transformers' filtered,
+    renormalised distribution: the same tokens have probability zero, the others equal within float32."""
+    assert top_p == 1.0 or nucleus_margin(SAMPLING_LOGITS, temperature, top_p) > 1e-3
+    seen = []
+    categorical = jax.random.categorical
+
+    def spy(key, logits, *args, **kw):
+        seen.append(np.asarray(logits))
+        return categorical(key, logits, *args, **kw)
+
+    monkeypatch.setattr(jax.random, "categorical", spy)
+    _sample(jnp.asarray(SAMPLING_LOGITS), jax.random.key(0), temperature, top_p)
+    (drawn_logits,) = seen
+    ours = np.asarray(jax.nn.softmax(jnp.asarray(drawn_logits), axis=-1))
+    theirs = transformers_distribution(SAMPLING_LOGITS, temperature, top_p)
+    np.testing.assert_array_equal(ours == 0, theirs == 0)
+    if top_p < 1.0:
+        assert (theirs == 0).any(axis=-1).all()  # the nucleus is a strict subset in every row
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("temperature, top_p", SAMPLING)
+def test_sampled_frequencies_match_transformers_warped_distribution(temperature, top_p):
+    """N = 20000 draws per row: the tokens drawn are exactly the nucleus, and each token's frequency is
+    within 5 binomial standard deviations (+ 1/N) of transformers' probability. The draws are fixed by the
+    key, so the test is deterministic; the bound says why it holds."""
+    n = 20000
+    theirs = transformers_distribution(SAMPLING_LOGITS, temperature, top_p)
+    for row, probs in enumerate(theirs):
+        logits_nv = jnp.tile(jnp.asarray(SAMPLING_LOGITS[row]), (n, 1))
+        tokens = np.asarray(_sample(logits_nv, jax.random.key(row), temperature, top_p))
+        assert set(tokens.tolist()) == set(np.flatnonzero(probs).tolist())
+        frequencies = np.bincount(tokens, minlength=probs.size) / n
+        bound = 5 * np.sqrt(probs * (1 - probs) / n) + 1 / n
+        np.testing.assert_array_less(np.abs(frequencies - probs), bound)

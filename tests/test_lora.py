@@ -83,6 +83,29 @@ def test_dropout_touches_only_the_lora_branch_and_only_with_a_key():
     np.testing.assert_array_equal(a, model(IDS, dropout_key=jax.random.key(0)))
 
 
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_is_inverted_dropout_of_the_lora_input(p):
+    """With a key, a layer computes `x W^T + scale * ((keep * x / (1 - p)) A) B`, where `keep` is the
+    Bernoulli(1 - p) mask drawn from that key over the layer's input flattened to `[tokens, in]`; without
+    a key it computes the same with nothing dropped."""
+    model = lora_model(dropout=p)
+    q = model.layers.self_attn.q_proj
+    q.lora_b.set_value(jax.random.normal(jax.random.key(2), q.lora_b[...].shape))
+    graphdef, state = nnx.split(q)  # stacked over layers: run layer 0's slice
+    one_layer = nnx.merge(graphdef, jax.tree.map(lambda v: v[0], state))
+    x = jax.random.normal(jax.random.key(3), (3, 5, 32))
+    key = jax.random.key(4)
+    keep = np.asarray(jax.random.bernoulli(key, 1.0 - p, (3 * 5, 32))).reshape(3, 5, 32)
+    assert 0 < keep.mean() < 1
+    w, a, b = (np.asarray(v[...][0], np.float64) for v in (q.weight, q.lora_a, q.lora_b))
+    x64 = np.asarray(x, np.float64)
+    scale = 16 / 8
+    dropped = x64 @ w.T + scale * ((keep * x64 / (1 - p)) @ a) @ b
+    plain = x64 @ w.T + scale * (x64 @ a) @ b
+    for got, expected in ((one_layer(x, key), dropped), (one_layer(x), plain)):
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
 def test_lora_stays_float32_on_a_bf16_base():
     model = LlamaForCausalLM(CONFIG, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     apply_lora(model, LoraConfig(), rngs=nnx.Rngs(1))
