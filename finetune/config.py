@@ -92,8 +92,9 @@ class TrainConfig:
     attention: Literal["auto", "xla", "blockwise"] = option(
         "auto", "attention without a cache: xla materialises [seq, seq] scores; blockwise (flash-style, memory "
                 "linear in seq) computes them block by block; auto: blockwise from --seq-len 2048 on or with cp > 1")
-    loss_chunk: int = option(1024, "positions per chunk of the LM head + cross-entropy, so [seq, vocab] logits are "
-                                   "never held at once (0: the whole sequence at once)")
+    loss_chunk: int = option(2048, "positions per chunk of the LM head + cross-entropy, so [seq, vocab] logits are "
+                                   "never held at once; a sequence (per cp device) of at most this many positions "
+                                   "takes the plain loss, which needs less memory then (0: always plain)")
     mlp_chunk: int = option(4096, "positions per chunk of the MLP (per device of the cp axis) when a sequence is "
                                   "longer (0: never chunk)")
     # checkpoints and logging

@@ -67,7 +67,7 @@ def loss_sums(model, batch: dict[str, jax.Array], dropout_key=None, chunk: int =
         cp = cp_size()
         h_btd, targets_bt, mask_bt = (x.reshape(b * cp, t // cp, *x.shape[2:]) for x in (h_btd, targets_bt, mask_bt))
         rules = _rows_over_cp(rules)
-    if not chunk:
+    if not chunk or chunk >= h_btd.shape[1]:  # one chunk: the plain loss needs fewer temporaries
         return cross_entropy_sums(model.head(h_btd), targets_bt, mask_bt)
     return chunked_cross_entropy_sums(model.head, h_btd, targets_bt, mask_bt, chunk=chunk, rules=rules)
 
