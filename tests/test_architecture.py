@@ -97,4 +97,4 @@ def test_plan_simulates_its_devices_after_the_public_api_was_imported(tmp_path):
     env["JAX_PLATFORMS"] = "cpu"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "mesh dp=1,fsdp=4,mp=1" in result.stdout and "devices 4" in result.stdout
+    assert "mesh dp=1,fsdp=4,cp=1,mp=1" in result.stdout and "devices 4" in result.stdout
