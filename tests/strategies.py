@@ -45,3 +45,17 @@ def llama_configs(draw, max_layers: int = 3) -> dict:
 def batches(max_seq: int = 520):
     """(batch, seq) pairs; long sequences are drawn often enough that RoPE scaling is exercised."""
     return st.tuples(st.integers(1, 3), st.one_of(st.integers(1, 24), st.integers(max_seq * 3 // 4, max_seq)))
+
+
+# Sequence lengths on the model's causal query-block path without a cache: a multiple of 4 blocks with at
+# least 64 positions per block (jaxmodel's CAUSAL_BLOCKS, CAUSAL_BLOCK_MIN).
+BLOCKED_LENGTHS = (256, 320, 512)
+
+
+@st.composite
+def left_padded_batches(draw, max_short: int = 40) -> tuple[int, list[int]]:
+    """(seq, real lengths of the rows): rows left-padded to `seq`, the first one full. Half the draws take
+    a length from BLOCKED_LENGTHS, so that padding meets the query blocks."""
+    seq = draw(st.one_of(st.integers(2, max_short), st.sampled_from(BLOCKED_LENGTHS)))
+    others = draw(st.lists(st.integers(1, seq), min_size=1, max_size=2))
+    return seq, [seq, *others]

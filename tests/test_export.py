@@ -2,6 +2,7 @@
 
 import json
 import warnings
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -34,13 +35,25 @@ def tolerance(expected: np.ndarray, bound: float) -> float:
 
 
 def jax_lora_model(jax_dir, lora_config: LoraConfig, seed=1):
-    """The converted model with adapters whose B is non-zero, so they move the output."""
+    """The converted model with adapters whose B is non-zero, so they move the output, and drawn from a key
+    of its own per module (a hash of its path): no two modules share an A or a B, so exporting one
+    module's matrix under another's key changes the output."""
     model = load_pretrained(jax_dir)
     apply_lora(model, lora_config, rngs=nnx.Rngs(seed))
     for path, var in nnx.to_flat_state(nnx.state(model, LoRAParam)):
         if path[-1] == "lora_b":
-            var.set_value(0.05 * jax.random.normal(jax.random.key(len(path)), var[...].shape))
+            key = jax.random.key(zlib.crc32(".".join(map(str, path)).encode()))
+            var.set_value(0.05 * jax.random.normal(key, var[...].shape))
     return model
+
+
+def assert_every_matrix_differs(model):
+    """No two (module, layer) adapter matrices are equal, A or B."""
+    seen = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, LoRAParam)):
+        for layer, matrix in enumerate(np.asarray(var[...])):
+            seen[(".".join(map(str, path)), layer)] = matrix.tobytes()
+    assert len(set(seen.values())) == len(seen)
 
 
 def peft_logits(hf_dir, adapter_dir) -> tuple[np.ndarray, np.ndarray, list]:
@@ -61,6 +74,7 @@ def peft_logits(hf_dir, adapter_dir) -> tuple[np.ndarray, np.ndarray, list]:
 def test_peft_serves_our_adapter_with_identical_outputs(tmp_path, tiny_checkpoint, tiny_converted, lora_kw):
     lora_config = LoraConfig(**lora_kw)
     model = jax_lora_model(tiny_converted, lora_config)
+    assert_every_matrix_differs(model)
     adapter = save_peft_adapter(tmp_path / "adapter", nnx.state(model, LoRAParam), lora_config,
                                 base_model=str(tiny_checkpoint))
     ours = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
@@ -101,9 +115,20 @@ def test_tied_embeddings_and_bf16_export(tmp_path):
     assert np.abs(ours - theirs).max() <= tolerance(theirs, 1e-5)
     bf16 = save_peft_adapter(tmp_path / "bf16", nnx.state(model, LoRAParam), lora_config, base_model=str(hf_dir),
                              dtype="bfloat16")
-    assert {str(v.dtype) for v in load_file(bf16 / "adapter_model.safetensors").values()} == {"bfloat16"}
-    theirs_bf16, _, _ = peft_logits(hf_dir, bf16)
-    assert np.abs(theirs_bf16 - theirs).max() < 0.05 * np.abs(theirs).max()  # adapter rounded to bf16
+    exported, exported_f32 = load_file(bf16 / "adapter_model.safetensors"), load_file(f32 / "adapter_model.safetensors")
+    assert {str(v.dtype) for v in exported.values()} == {"bfloat16"}
+    for name, value in exported.items():  # rounded to nearest even, as torch's .to(bfloat16)
+        want = torch.from_numpy(exported_f32[name]).to(torch.bfloat16).view(torch.int16).numpy()
+        np.testing.assert_array_equal(value.view(np.int16), want, err_msg=name)
+    theirs_bf16, plain, _ = peft_logits(hf_dir, bf16)
+    # Rounding A and B to bf16 changes each entry by at most u = 2^-8 of itself, so the adapter's delta
+    # scale * A B moves by about 2u = 1 bf16 ulp (2^-7) of itself, and to first order the logits' adapter
+    # contribution by the same fraction: the bound is 1 ulp of the adapter's effect on the logits (measured:
+    # 0.24 ulp, errors of random sign partly cancel), 128x below the effect itself.
+    effect = np.abs(theirs - plain).max()
+    rounding = np.abs(theirs_bf16 - theirs).max()
+    assert effect > 1.0  # the adapter moves the logits by O(1)
+    assert 0 < rounding <= 2.0**-7 * effect
 
 
 def test_round_trip_peft_to_jax_to_peft_is_exact(tmp_path, tiny_checkpoint, tiny_converted):

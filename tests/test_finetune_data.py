@@ -29,16 +29,33 @@ def test_prompt_tokens_are_not_trained(tmp_path, tokenizer):
     assert example.ids[-1] == tokenizer.eos_token_id
 
 
-def test_chat_rows_train_only_assistant_turns(tmp_path, tokenizer):
-    messages = [{"role": "user", "content": "reverse: a b"}, {"role": "assistant", "content": "b a"},
-                {"role": "user", "content": "again"}, {"role": "assistant", "content": "a b"}]
+def test_chat_rows_train_exactly_each_assistant_turns_content_and_its_eot(tmp_path, tokenizer):
+    """Trained tokens are each assistant turn's content tokens and the `<|eot_id|>` closing it; the header
+    (`<|start_header_id|>assistant<|end_header_id|>\\n\\n`), the system and user turns and BOS are not."""
+    messages = [{"role": "system", "content": "answer the question"}, {"role": "user", "content": "reverse: a b"},
+                {"role": "assistant", "content": "b a"}, {"role": "user", "content": "again"},
+                {"role": "assistant", "content": "a b"}]
     (example,) = tokenize(read_rows(write_jsonl(tmp_path / "c.jsonl", [{"messages": messages}])), tokenizer)
-    full = tokenizer.apply_chat_template(messages, tokenize=True)
-    full = list(full["input_ids"] if hasattr(full, "keys") else full)
-    assert example.ids.tolist() == full
-    trained_text = tokenizer.decode(example.ids[example.trained])
-    assert "b a" in trained_text and "a b" in trained_text
-    assert "reverse" not in trained_text and "again" not in trained_text and "user" not in trained_text
+
+    # The expected ids and mask built piece by piece from demo/tiny.py's template, independently of the
+    # prefix renderings the data path uses.
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    ids, trained, headers = [tokenizer.bos_token_id], [False], []
+    for m in messages:
+        header = encode(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n")
+        body = encode(m["content"]) + [eot]
+        if m["role"] == "assistant":
+            headers.append(range(len(ids), len(ids) + len(header)))
+        ids += header + body
+        trained += [False] * len(header) + [m["role"] == "assistant"] * len(body)
+    assert example.ids.tolist() == ids
+    np.testing.assert_array_equal(example.trained, trained)
+    # spelled out: both assistant headers (start, "assistant", end, two newlines) are untrained
+    assert [len(h) for h in headers] == [5, 5] and not any(example.trained[i] for h in headers for i in h)
+    assert example.ids[example.trained].tolist() == encode("b a") + [eot] + encode("a b") + [eot]
 
 
 def test_text_rows_train_everything(tmp_path, tokenizer):

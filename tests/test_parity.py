@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import batches, llama_configs
+from strategies import BLOCKED_LENGTHS, batches, left_padded_batches, llama_configs
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
@@ -89,19 +89,46 @@ def test_bfloat16_logits_match_transformers_within_documented_bound(config, shap
     assert np.abs(got - exact).max() <= BF16_ERROR_RATIO * their_error + floor
 
 
-@settings(max_examples=6)
-@given(config=llama_configs(max_layers=2), seed=st.integers(0, 2**16), data=st.data())
-def test_padding_mask_matches_transformers(config, seed, data):
-    hf, model = hf_and_jax(config, seed=seed)
-    batch, seq = data.draw(st.integers(2, 3)), data.draw(st.integers(2, 40))
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, config["vocab_size"], (batch, seq))
-    lengths = [seq] + [int(n) for n in rng.integers(1, seq + 1, batch - 1)]
-    mask = np.array([[0] * (seq - n) + [1] * n for n in lengths])  # left padding
+def left_padded(seq: int, lengths: list[int]) -> np.ndarray:
+    """attention_mask `[len(lengths), seq]` with each row's real tokens at the end."""
+    return np.array([[0] * (seq - n) + [1] * n for n in lengths])
+
+
+def assert_real_positions_match(hf, model, ids: np.ndarray, mask: np.ndarray):
     expected = hf_logits(hf, ids, mask)
     got = np.asarray(jax_logits(model, jnp.asarray(ids, jnp.int32), jnp.asarray(mask)))
     real = mask.astype(bool)  # padded query positions are garbage on both sides
     assert np.abs(got[real] - expected[real]).max() <= f32_tolerance(expected[real])
+
+
+@settings(max_examples=6)
+@given(config=llama_configs(max_layers=2), seed=st.integers(0, 2**16), batch=left_padded_batches())
+def test_padding_mask_matches_transformers(config, seed, batch):
+    hf, model = hf_and_jax(config, seed=seed)
+    seq, lengths = batch
+    ids = np.random.default_rng(seed).integers(0, config["vocab_size"], (len(lengths), seq))
+    assert_real_positions_match(hf, model, ids, left_padded(seq, lengths))
+
+
+# GQA, llama3 RoPE whose original context (32) the sequences exceed, init large enough that attention
+# moves the logits.
+BLOCKED_CONFIG = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
+                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "initializer_range": 0.1, "max_position_embeddings": 1024,
+                  "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 32}}
+
+
+@pytest.mark.parametrize("seq", BLOCKED_LENGTHS)
+def test_left_padding_on_the_query_block_path_matches_transformers(seq):
+    """Left padding of less than one block, of more than one block (the first query block is all
+    padding), and of all but the last two tokens, on the causal query-block path."""
+    hf, model = hf_and_jax(BLOCKED_CONFIG, seed=seq)
+    block = seq // 4
+    lengths = [seq, seq - block // 2, seq - block - 7, 2]
+    ids = np.random.default_rng(seq).integers(0, BLOCKED_CONFIG["vocab_size"], (len(lengths), seq))
+    assert_real_positions_match(hf, model, ids, left_padded(seq, lengths))
 
 
 def test_wrong_rope_scaling_is_caught_by_the_tolerance():
