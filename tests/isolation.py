@@ -20,3 +20,23 @@ def run_without(modules: tuple[str, ...], code: str) -> subprocess.CompletedProc
         "sys.meta_path.insert(0, NotInstalled())\n"
     )
     return subprocess.run([sys.executable, "-c", blocker + code], capture_output=True, text=True, timeout=300)
+
+
+def run_multihost_worker(model, data, out, *extra: str, processes: int = 2) -> None:
+    """Run tests/multihost_worker.py as `processes` processes joined over loopback (each with its own
+    simulated devices, so without the suite's XLA_FLAGS); fails with a process's stderr if one fails."""
+    import os
+    import socket
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = Path(__file__).parent / "multihost_worker.py"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, str(worker), str(model), str(data), str(out), str(port), str(i),
+                               *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(processes)]
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]

@@ -2,16 +2,12 @@
 LoRA gradients as one device with the plain paths."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
+from isolation import run_multihost_worker
 
 from finetune.cli import main
 from finetune.config import TrainConfig
@@ -96,17 +92,7 @@ def test_weights_stay_sharded_over_every_device_with_cp(tmp_path, tiny_converted
 
 
 def test_two_processes_with_cp_match_one_device(tmp_path, tiny_converted, data_file, reference):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    worker = Path(__file__).parent / "multihost_worker.py"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, str(worker), str(tiny_converted), str(data_file), str(tmp_path),
-                               str(port), str(i), "dp=1,fsdp=2,cp=4,mp=1"], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
-    results = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode == 0, err[-3000:]
+    run_multihost_worker(tiny_converted, data_file, tmp_path, "dp=1,fsdp=2,cp=4,mp=1")
     got = np.load(tmp_path / "grads.npz")
     assert_same((float(got["loss"]), float(got["tokens"]), {k: got[k] for k in got.files if "." in k}), reference)
 

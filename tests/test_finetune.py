@@ -1,7 +1,6 @@
 """LoRA training: what trains, what stays frozen, equality across meshes, exact resume, clean stops."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -360,19 +359,9 @@ def test_help_documents_every_option_and_default(capsys):
 
 
 def test_two_processes_over_loopback_match_one_device(tmp_path, tiny_converted, data_file, reference_grads):
-    import socket
+    from isolation import run_multihost_worker
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    worker = Path(__file__).parent / "multihost_worker.py"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, str(worker), str(tiny_converted), str(data_file), str(tmp_path),
-                               str(port), str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    results = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode == 0, err[-3000:]
+    run_multihost_worker(tiny_converted, data_file, tmp_path)
     got = np.load(tmp_path / "grads.npz")
     ref_loss, ref_tokens, ref_grads = reference_grads
     assert float(got["tokens"]) == ref_tokens and abs(float(got["loss"]) - ref_loss) <= 1e-5
