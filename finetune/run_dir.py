@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import jax
@@ -15,6 +14,7 @@ from finetune.config import TrainConfig
 from finetune.step import TrainState, make_optimizer, split_model
 from jaxmodel.config import LlamaConfig
 from jaxmodel.errors import UserError
+from jaxmodel.formats.io import read_json
 from jaxmodel.formats.markers import RUN_CONFIG
 from jaxmodel.lora import LoraConfig, apply_lora
 from jaxmodel.model import LlamaForCausalLM
@@ -29,10 +29,7 @@ def read_run_config(run_dir: str | Path) -> TrainConfig:
     config_path = Path(run_dir) / RUN_CONFIG
     if not config_path.is_file():
         raise RunError(f"{run_dir}: not a finetune-lora run directory (no {RUN_CONFIG})")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise RunError(f"{config_path}: not valid JSON ({e.msg})") from None
+    raw = read_json(config_path, RunError)
     if not isinstance(raw, dict):
         raise RunError(f"{config_path}: expected a JSON object of options")
     known = {f.name for f in dataclasses.fields(TrainConfig)}

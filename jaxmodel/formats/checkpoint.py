@@ -13,7 +13,6 @@ slices in any order and a reader can check exactly what it read.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Mapping
@@ -24,7 +23,7 @@ from flax import nnx
 
 from jaxmodel.config import LlamaConfig
 from jaxmodel.errors import UserError
-from jaxmodel.formats.io import ShortFileError, crc32_of_range
+from jaxmodel.formats.io import ShortFileError, crc32_of_range, read_json
 from jaxmodel.formats.safetensors_file import DTYPES, SafetensorsError, TensorLocation, read_header
 from jaxmodel.model import LlamaForCausalLM
 
@@ -56,10 +55,7 @@ def read_manifest(directory: str | Path) -> dict:
     path = directory / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"{directory}: not a converted checkpoint (no {MANIFEST}; run convert-llama first)")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e.msg})") from None
+    manifest = read_json(path, CheckpointError)
     if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{path}: format {manifest.get('format')!r} v{manifest.get('version')}, expected {FORMAT!r} v{FORMAT_VERSION}"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import zlib
-from typing import Iterator
+from pathlib import Path
+from typing import Any, Iterator
 
 from jaxmodel.errors import UserError
 
@@ -13,6 +15,14 @@ CHUNK_BYTES = 64 << 20
 
 class ShortFileError(UserError):
     """A file ended before the bytes its header promises."""
+
+
+def read_json(path: str | Path, error: type[UserError]) -> Any:
+    """The JSON document in `path`; malformed JSON raises `error` naming the file (missing files raise as usual)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: not valid JSON ({e.msg})") from None
 
 
 def pwrite_all(fd: int, data, offset: int) -> int:

@@ -18,6 +18,7 @@ from flax import nnx
 from jaxmodel.errors import UserError
 from jaxmodel.formats.atomic import atomic_directory
 from jaxmodel.formats.hf_names import hf_module
+from jaxmodel.formats.io import read_json
 from jaxmodel.lora import LoraConfig, apply_lora, target_linears
 from jaxmodel.formats.safetensors_file import DTYPES
 
@@ -114,11 +115,9 @@ def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, np.ndar
     adapter_dir = Path(adapter_dir)
     config_path = adapter_dir / ADAPTER_CONFIG
     try:
-        raw = json.loads(config_path.read_text())
+        raw = read_json(config_path, AdapterError)
     except FileNotFoundError:
         raise AdapterError(f"{config_path}: not found (expected a PEFT adapter directory)") from None
-    except json.JSONDecodeError as e:
-        raise AdapterError(f"{config_path}: not valid JSON ({e.msg})") from None
     if raw.get("peft_type") != "LORA":
         raise AdapterError(f"{config_path}: field 'peft_type' is {raw.get('peft_type')!r}; only 'LORA' is supported")
     # PEFT variants this port does not run: each field must keep its plain-LoRA value.
