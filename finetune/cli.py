@@ -13,6 +13,7 @@ DESCRIPTION = """LoRA fine-tuning of a converted Llama 3.x checkpoint on a (dp, 
 
   finetune-lora --model CONVERTED_DIR --data train.jsonl --out RUN_DIR [--mesh dp=1,fsdp=8,mp=1] ...
   finetune-lora --plan --model-config config.json --mesh dp=1,fsdp=8,mp=1 --batch-size 16 --seq-len 64
+  finetune-lora --plan --fit --model-config config.json --mesh dp=1,fsdp=8,mp=1 --batch-size 16 --seq-len 8192
 
 Every option can also come from a YAML file (--config FILE.yaml); flags override it."""
 
@@ -24,9 +25,12 @@ def main(argv: list[str] | None = None) -> int:
             _simulate_devices_for_plan(config.mesh)
         config.validate()
         if config.plan:
-            from finetune.planning import plan
+            if config.fit:
+                from finetune.fitting import fit as run_plan
+            else:
+                from finetune.planning import plan as run_plan
 
-            plan_report = plan(config)
+            plan_report = run_plan(config)
             print(plan_report)
             return 0 if plan_report.fits else 1
         from finetune.train import run_training

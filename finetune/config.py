@@ -109,7 +109,10 @@ class TrainConfig:
     plan: bool = option(False, "compile the train step from abstract shapes on the current devices and print "
                                "the per-device memory plan; loads no weights and trains nothing")
     model_config: str | None = option(None, "with --plan: a HF config.json instead of --model")
-    hbm_gb: float = option(192.0, "with --plan: device memory in GB to check the plan against (MI300X: 192)")
+    hbm_gb: float = option(192.0, "with --plan: memory of one device in GB (MI300X: 192); the plan is judged against "
+                                  "the part JAX's allocator lets a run use (XLA_CLIENT_MEM_FRACTION, default 0.75)")
+    fit: bool = option(False, "with --plan: try --remat, --grad-accum and --mesh settings, fastest first, and print "
+                              "the first that fits as a command line")
     show_sharding: bool = option(False, "print each parameter's sharding and per-device bytes, then continue")
 
     def attention_impl(self, cp: int = 1) -> str:
@@ -148,6 +151,8 @@ class TrainConfig:
             self.lora_config()
         except ValueError as e:
             raise ConfigFileError(f"--rank/--alpha/--targets/--lora-dropout: {e}") from None
+        if self.fit and not self.plan:
+            raise ConfigFileError("--fit goes with --plan")
         if self.plan:
             if not (self.model or self.model_config):
                 raise ConfigFileError("--plan needs --model-config CONFIG.json (or --model DIR)")

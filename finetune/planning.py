@@ -2,7 +2,8 @@
 
 Builds the model with LoRA from abstract shapes only (no weights), lays every parameter, optimizer moment
 and batch onto the mesh exactly as a run does, lowers and compiles the same jit train step for the mesh's
-devices (simulated CPU devices work), and reports the compiler's per-device memory against `--hbm-gb`.
+devices (simulated CPU devices work), and reports the compiler's per-device memory, plus a margin measured
+against real runs, against the part of `--hbm-gb` that JAX's allocator will let the run use.
 """
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ from finetune.memory import per_device_bytes, sharding_table
 from finetune.mesh import make_mesh
 from finetune.setup import check_batch_split, check_seq_len
 from finetune.step import BATCH_KEYS, DTYPES, TrainState, jit_steps, make_optimizer, optimizer_shardings, split_model
+from finetune.usable_memory import FRACTION, UsableMemory, fraction_to_fit, usable_memory
 from jaxmodel.config import LlamaConfig
 from jaxmodel.lora import apply_lora
 from jaxmodel.model import LlamaForCausalLM
 from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, named_sharding
 
 GB = 1e9
+# Added to the compiler's temporaries: the largest shortfall of the compiler's total against the measured
+# memory of the same runs (bench/plan_accuracy.py, docs/benchmarks.md "Plan accuracy").
+TEMPORARIES_MARGIN = 0.10
 
 
 @dataclasses.dataclass
@@ -40,27 +45,54 @@ class PlanReport:
     batch: float
     temp: float
     compile_seconds: float
-    hbm: float
+    hbm: float  # bytes of one device
+    usable: UsableMemory
     lines: list[str]
 
     @property
-    def total(self) -> float:
+    def margin(self) -> float:
+        return self.temp * TEMPORARIES_MARGIN
+
+    @property
+    def compiler_total(self) -> float:
         return self.weights + self.lora_and_optimizer + self.batch + self.temp
 
     @property
+    def total(self) -> float:
+        return self.compiler_total + self.margin
+
+    @property
+    def capacity(self) -> float:
+        """Bytes of one device the run may use."""
+        return self.hbm * self.usable.fraction
+
+    @property
     def fits(self) -> bool:
-        return self.total <= self.hbm
+        return self.total <= self.capacity
+
+    def verdict(self) -> str:
+        """`fits in ...` or `DOES NOT FIT in ...`, with the room left or missing and the fraction that would fit."""
+        room = f"{self.capacity / GB:.1f} GB per device ({self.total / self.capacity:.0%} used"
+        if self.fits:
+            return f"fits in {room}, {(self.capacity - self.total) / GB:.1f} GB to spare)"
+        line = f"DOES NOT FIT in {room}, {(self.total - self.capacity) / GB:.1f} GB missing)"
+        fraction = fraction_to_fit(self.total, self.hbm)
+        if fraction is not None and fraction > self.usable.fraction:
+            return f"{line}; fits at {FRACTION}={fraction:.2f}"
+        return line
 
     def __str__(self) -> str:
         mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
         rows = [("frozen weights", self.weights), ("LoRA params + AdamW state", self.lora_and_optimizer),
                 ("batch", self.batch), ("activations / temporaries", self.temp),
-                ("total", self.total)]
+                (f"margin ({TEMPORARIES_MARGIN:.0%} of temporaries, measured)", self.margin), ("total", self.total)]
         out = self.lines + [f"memory per device, mesh {mesh}, {self.backend} compiler "
                             f"(compiled in {self.compile_seconds:.0f} s):"]
         out += [f"  {name:<40} {value / GB:10.2f} GB" for name, value in rows]
-        verdict = "fits" if self.fits else "DOES NOT FIT"
-        out.append(f"  {verdict} in {self.hbm / GB:.0f} GB per device ({self.total / self.hbm:.0%} used)")
+        out[-1] += f"  (compiler's figure {self.compiler_total / GB:.2f} GB)"
+        out.append(f"  usable: {self.hbm / GB:g} GB x {self.usable.fraction:g} = {self.capacity / GB:.1f} GB per device "
+                   f"({self.usable.reason})")
+        out.append(f"  {self.verdict()}")
         return "\n".join(out)
 
 
@@ -78,7 +110,10 @@ def _abstract_on(tree, mesh, rules):
     return jax.tree.map(lay, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def plan(config: TrainConfig) -> PlanReport:
+def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
+    """The plan of `config`'s run; `cpu_bf16_figure=False` skips compiling the CPU compiler's own bf16 figure
+    (an extra compile that only informs)."""
+    usable = usable_memory()  # a bad allocator variable is an error before any compile
     source = Path(config.model_config or config.model)
     llama = LlamaConfig.from_hf(source)  # a clear error for a missing or malformed config
     raw = json.loads((source / "config.json" if source.is_dir() else source).read_text())
@@ -86,34 +121,40 @@ def plan(config: TrainConfig) -> PlanReport:
     check_seq_len(config, llama, mesh)
     check_batch_split(config, mesh, DEFAULT_RULES)
     dtype, param_dtype = DTYPES[config.dtype], _param_dtype(config, raw)
+    backend, itemsize = jax.default_backend(), jnp.dtype(dtype).itemsize
+    cpu_16bit = backend == "cpu" and itemsize < 4
     start = time.perf_counter()
-    compiled, trees = _compile(config, llama, mesh, dtype, param_dtype)
-    temp = float(compiled.memory_analysis().temp_size_in_bytes)
+    compiled, trees = _compile(config, llama, mesh, dtype, param_dtype, lower=cpu_bf16_figure or not cpu_16bit)
     lines = [f"model: {source} ({sum(math.prod(x.shape) for x in jax.tree.leaves(trees['base'])) / 1e9:.1f}B frozen "
              f"parameters, {sum(math.prod(x.shape) for x in jax.tree.leaves(trees['lora'])) / 1e6:.1f}M LoRA parameters)",
              f"batch {config.batch_size} x seq {config.seq_len}, grad accumulation {config.grad_accum}, "
              f"dtype {config.dtype}, remat {config.remat}, attention {config.attention_impl(mesh.shape['cp'])}, "
              f"loss chunk {config.loss_chunk or 'none'}, MLP chunk {config.mlp_chunk or 'none'}"]
-    backend = jax.default_backend()
-    if backend == "cpu" and jnp.dtype(dtype).itemsize < 4:
+    if cpu_16bit:
         # The CPU compiler turns 16-bit matmuls into float32 ones and hoists float32 copies of the weights,
         # so its temporaries for a bf16 step say little about an accelerator. Every temporary of the step
         # (activations, gathered layer weights) is in the compute dtype, so the same step compiled in
         # float32 and scaled by the dtype's size is the estimate used.
         f32, _ = _compile(config, llama, mesh, jnp.float32, jnp.float32)
-        lines.append(f"CPU compiler's own temporaries for the {config.dtype} step: {temp / GB:.2f} GB (bf16 matmuls "
-                     f"upcast to float32); estimate below: the float32 step's, scaled by {jnp.dtype(dtype).itemsize}/4")
-        temp = float(f32.memory_analysis().temp_size_in_bytes) * jnp.dtype(dtype).itemsize / 4
+        temp = float(f32.memory_analysis().temp_size_in_bytes) * itemsize / 4
+        if compiled is not None:
+            lines.append(f"CPU compiler's own temporaries for the {config.dtype} step: "
+                         f"{compiled.memory_analysis().temp_size_in_bytes / GB:.2f} GB (bf16 matmuls upcast to "
+                         f"float32); estimate below: the float32 step's, scaled by {itemsize}/4")
+    else:
+        temp = float(compiled.memory_analysis().temp_size_in_bytes)
     if config.show_sharding:
         lines = sharding_table(trees["base"], trees["lora"]) + lines
     return PlanReport(mesh=dict(mesh.shape), backend=backend, weights=per_device_bytes(trees["base"]),
                       lora_and_optimizer=per_device_bytes(trees["lora"]) + per_device_bytes(trees["opt_state"]),
                       batch=per_device_bytes(trees["batch"]), temp=temp,
-                      compile_seconds=time.perf_counter() - start, hbm=config.hbm_gb * GB, lines=lines)
+                      compile_seconds=time.perf_counter() - start, hbm=config.hbm_gb * GB, usable=usable,
+                      lines=lines)
 
 
-def _compile(config: TrainConfig, llama: LlamaConfig, mesh, dtype, param_dtype):
-    """The run's jit train step, lowered and compiled from abstract, sharded inputs."""
+def _compile(config: TrainConfig, llama: LlamaConfig, mesh, dtype, param_dtype, lower: bool = True):
+    """The run's jit train step, lowered and compiled from abstract, sharded inputs (None unless `lower`), and
+    those inputs."""
     with jax.set_mesh(mesh):
         def build():
             model = LlamaForCausalLM(llama, dtype=dtype, param_dtype=param_dtype, remat=config.remat,
@@ -134,6 +175,8 @@ def _compile(config: TrainConfig, llama: LlamaConfig, mesh, dtype, param_dtype):
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
                                          sharding=batch_sharding(mesh, DEFAULT_RULES))
                  for k in BATCH_KEYS}
-        train_step, _ = jit_steps(graphdef, config, tx, schedule, state, base, mesh, DEFAULT_RULES)
-        compiled = train_step.lower(state, base, batch).compile()
+        compiled = None
+        if lower:
+            train_step, _ = jit_steps(graphdef, config, tx, schedule, state, base, mesh, DEFAULT_RULES)
+            compiled = train_step.lower(state, base, batch).compile()
     return compiled, {"base": base, "lora": lora, "opt_state": opt_state, "batch": batch}

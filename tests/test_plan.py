@@ -3,8 +3,11 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from finetune.cli import main
 from finetune.config import TrainConfig
+from finetune.fitting import candidates
 from finetune.planning import plan
 
 LLAMA_405B = Path(__file__).parent / "data" / "llama-3.1-405b-config.json"  # meta-llama/Llama-3.1-405B's config.json
@@ -38,22 +41,114 @@ def test_llama_405b_on_eight_devices_compiles_and_fits():
     assert layer_bytes < report.temp < 4 * layer_bytes
     assert report.fits
     text = str(report)
-    assert "405.9B frozen parameters" in text and "fits in 192 GB per device" in text
+    assert "405.9B frozen parameters" in text and "fits in 144.0 GB per device" in text  # 192 GB x 0.75
 
 
-def test_cli_plan_on_a_small_model_reports_and_exits_by_verdict(tmp_path, capsys):
-    config = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "float32"}
+SMALL = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "float32"}
+
+
+@pytest.fixture
+def small_config(tmp_path, monkeypatch):
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
+                 "XLA_PYTHON_CLIENT_ALLOCATOR"):
+        monkeypatch.delenv(name, raising=False)
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    args = ["--plan", "--model-config", str(path), "--mesh", "dp=2,fsdp=4,mp=1", "--batch-size", "8", "--seq-len", "32",
-            "--dtype", "float32"]
+    path.write_text(json.dumps(SMALL))
+    return path
+
+
+def test_cli_plan_on_a_small_model_reports_and_exits_by_verdict(small_config, capsys):
+    args = ["--plan", "--model-config", str(small_config), "--mesh", "dp=2,fsdp=4,mp=1", "--batch-size", "8",
+            "--seq-len", "32", "--dtype", "float32"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "fits in 192 GB per device" in out and "frozen weights" in out
+    assert "fits in 144.0 GB per device" in out and "frozen weights" in out
     assert main(args + ["--hbm-gb", "0.0001", "--show-sharding"]) == 1
     out = capsys.readouterr().out
-    assert "DOES NOT FIT in 0 GB" in out and "layers.self_attn.q_proj.lora_a" in out
+    assert "DOES NOT FIT in 0.0 GB" in out and "layers.self_attn.q_proj.lora_a" in out
+
+
+def test_cli_verdict_follows_the_memory_fraction_variable(small_config, capsys, monkeypatch):
+    config = TrainConfig(plan=True, model_config=str(small_config), mesh="dp=1,fsdp=8,mp=1", batch_size=8,
+                         seq_len=64, dtype="float32").validate()
+    total = plan(config, cpu_bf16_figure=False).total
+    # A device on which the plan needs 85%: more than JAX's default 75%, less than 95%.
+    args = ["--plan", "--model-config", str(small_config), "--mesh", "dp=1,fsdp=8,mp=1", "--batch-size", "8",
+            "--seq-len", "64", "--dtype", "float32", "--hbm-gb", str(total / 0.85 / 1e9)]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "(JAX's default preallocation; XLA_CLIENT_MEM_FRACTION not set)" in out
+    assert "DOES NOT FIT" in out and out.rstrip().endswith("fits at XLA_CLIENT_MEM_FRACTION=0.85")
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.95")
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "x 0.95 =" in out and "(XLA_CLIENT_MEM_FRACTION=0.95)" in out and "(89% used" in out
+
+
+def test_cli_bad_allocator_variable_is_one_line_before_compiling(small_config, capsys, monkeypatch):
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.8")
+    assert main(["--plan", "--model-config", str(small_config), "--mesh", "dp=1,fsdp=8,mp=1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        "finetune-lora: error: XLA_CLIENT_MEM_FRACTION and XLA_PYTHON_CLIENT_MEM_FRACTION are both set: keep only "
+        "XLA_CLIENT_MEM_FRACTION (the other is its deprecated name)"]
+
+
+def test_fit_tries_settings_fastest_first():
+    config = TrainConfig(plan=True, model_config="c.json", mesh="dp=1,fsdp=-1,mp=1", batch_size=4, seq_len=64,
+                         remat="none", grad_accum=2)
+    tried = [(c.mesh, c.remat, c.grad_accum) for c in candidates(config, 4, "cpu")]
+    assert tried == [
+        ("dp=1,fsdp=4,cp=1,mp=1", "dots", 1), ("dp=1,fsdp=4,cp=1,mp=1", "full", 1),
+        ("dp=1,fsdp=4,cp=1,mp=1", "full", 2), ("dp=1,fsdp=4,cp=1,mp=1", "full", 4),
+        ("dp=1,fsdp=2,cp=2,mp=1", "dots", 1), ("dp=1,fsdp=2,cp=2,mp=1", "full", 1),
+        ("dp=1,fsdp=2,cp=2,mp=1", "full", 2), ("dp=1,fsdp=2,cp=2,mp=1", "full", 4),
+        ("dp=1,fsdp=1,cp=4,mp=1", "dots", 1), ("dp=1,fsdp=1,cp=4,mp=1", "full", 1),
+        ("dp=1,fsdp=1,cp=4,mp=1", "full", 2), ("dp=1,fsdp=1,cp=4,mp=1", "full", 4)]
+    # Where the plan can show offload's savings (not on the CPU compiler), offload comes after full.
+    gpu = [(c.mesh, c.remat, c.grad_accum) for c in candidates(config, 4, "gpu")][:4]
+    assert [r for _, r, _ in gpu] == ["dots", "full", "offload", "full"]
+
+
+def test_cli_fit_prints_each_tried_setting_and_the_first_that_fits(small_config, capsys):
+    base = dict(plan=True, model_config=str(small_config), mesh="dp=1,fsdp=8,mp=1", batch_size=8, seq_len=256,
+                dtype="float32")
+    dots = plan(TrainConfig(**base, remat="dots").validate(), cpu_bf16_figure=False).total
+    full = plan(TrainConfig(**base, remat="full").validate(), cpu_bf16_figure=False).total
+    assert full < dots
+    hbm_gb = (full + dots) / 2 / 0.75 / 1e9  # full fits at JAX's default fraction, dots does not
+    args = ["--plan", "--fit", "--model-config", str(small_config), "--mesh", "dp=1,fsdp=8,mp=1", "--batch-size", "8",
+            "--seq-len", "256", "--dtype", "float32", "--hbm-gb", str(hbm_gb)]
+    assert main(args) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[1].split()[:3] == ["dp=1,fsdp=8,cp=1,mp=1", "dots", "1"] and "DOES NOT FIT" in rows[1]
+    assert rows[2].split()[:3] == ["dp=1,fsdp=8,cp=1,mp=1", "full", "1"] and "fits in" in rows[2]
+    assert rows[3:] == ["fastest setting that fits:",
+                        "  finetune-lora --model CONVERTED_DIR --data DATA.jsonl --out RUN_DIR "
+                        "--mesh dp=1,fsdp=8,cp=1,mp=1 --seq-len 256 --dtype float32 --remat full"]
+
+
+
+def test_cli_fit_when_nothing_fits_lists_every_setting_and_exits_1(small_config, capsys):
+    # One sequence on 8 devices: only the cp=8 mesh can hold it; the other splits are not possible.
+    args = ["--plan", "--fit", "--model-config", str(small_config), "--mesh", "dp=1,fsdp=1,cp=8,mp=1",
+            "--batch-size", "1", "--seq-len", "256", "--dtype", "float32", "--hbm-gb", "0.0001"]
+    assert main(args) == 1
+    rows = capsys.readouterr().out.splitlines()
+    assert [row.split()[:2] for row in rows[1:3]] == [["dp=1,fsdp=1,cp=8,mp=1", "dots"], ["dp=1,fsdp=1,cp=8,mp=1", "full"]]
+    assert all("DOES NOT FIT" in row for row in rows[1:3])
+    assert [row.split()[0] for row in rows[3:6]] == ["dp=1,fsdp=8,cp=1,mp=1", "dp=1,fsdp=4,cp=2,mp=1",
+                                                     "dp=1,fsdp=2,cp=4,mp=1"]
+    assert all("not possible: --batch-size 1 / --grad-accum 1 must be a multiple of" in row for row in rows[3:6])
+    assert rows[6:] == ["nothing tried fits: use more devices, a shorter --seq-len or a smaller --batch-size"]
+
+
+def test_fit_without_plan_is_a_usage_error(capsys):
+    assert main(["--fit", "--model", "m", "--data", "d", "--out", "o"]) == 2
+    assert capsys.readouterr().err.strip() == "finetune-lora: error: --fit goes with --plan"
 
 
 def test_plan_without_a_config_is_an_error(capsys):
