@@ -22,7 +22,8 @@ from jaxmodel.formats.hf_checkpoint import (AUX_FILES, HFCheckpointError, Source
 from jaxmodel.formats.atomic import atomic_directory
 from jaxmodel.formats.checkpoint import CheckpointError, param_specs, verify_checkpoint
 from jaxmodel.formats.checkpoint_writer import CheckpointWriter
-from jaxmodel.formats.markers import CONVERTED_CHECKPOINT, directory_kind
+from jaxmodel.formats.markers import CONVERTED_CHECKPOINT
+from jaxmodel.formats.output_dir import check_output_dir
 from jaxmodel.config import LlamaConfig
 from jaxmodel.formats.safetensors_file import DTYPES
 
@@ -60,13 +61,14 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "keep", revision: 
     if dtype not in DTYPE_CHOICES:
         raise ConversionError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPE_CHOICES)}")
     out = Path(out)
-    _check_destination(out, overwrite)
+    # Before anything is read. A hub id's snapshot in the HF cache is protected by its kind (a HF checkpoint).
+    target = _check_destination(out, src if Path(src).expanduser().exists() else None, overwrite)
     source_dir = resolve_source(str(src), revision)
     config = LlamaConfig.from_hf(source_dir)
     kind, tensors = list_tensors(source_dir)
     plan = _plan(config, tensors, source_dir, DTYPE_CHOICES[dtype])
     try:
-        with atomic_directory(out, "converting") as tmp:
+        with atomic_directory(target, "converting") as tmp:
             total = _copy(plan, tensors, kind, tmp, progress)
             for name in AUX_FILES:
                 if (source_dir / name).is_file():
@@ -74,7 +76,7 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "keep", revision: 
             if verify:
                 verify_checkpoint(tmp)
     except (CheckpointError, HFCheckpointError) as e:  # name the destination, not the temporary directory
-        raise ConversionError(re.sub(rf"{re.escape(str(out.parent))}/\.{re.escape(out.name)}\.converting-\d+",
+        raise ConversionError(re.sub(rf"{re.escape(str(target.parent))}/\.{re.escape(target.name)}\.converting-\d+",
                                      str(out), str(e))) from None
     except OSError as e:  # the disk or filesystem refused: nothing is left at `out`
         raise ConversionError(f"{e.filename or out}: {e.strerror or e}") from None
@@ -156,10 +158,7 @@ def _copy(plan: _Plan, tensors: list[SourceTensor], kind: str, tmp: Path, progre
     return written
 
 
-def _check_destination(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise ConversionError(f"--out {out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ConversionError(f"--out {out}: exists and is not empty (pass --overwrite to replace it)")
-    if out.is_dir() and any(out.iterdir()) and directory_kind(out) != CONVERTED_CHECKPOINT:
-        raise ConversionError(f"--out {out}: holds files that are not a converted checkpoint; refusing to replace it")
+def _check_destination(out: Path, src: str | Path | None, overwrite: bool) -> Path:
+    """`out` resolved, unless converting into it could lose anything (jaxmodel.formats.output_dir's rule)."""
+    return check_output_dir(out, option="--out", writes=CONVERTED_CHECKPOINT, overwrite=overwrite,
+                            inputs=[("--src", src)] if src is not None else [], error=ConversionError)

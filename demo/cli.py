@@ -119,7 +119,8 @@ def run_demo(args: argparse.Namespace) -> dict:
     _run("finetune-lora", "finetune.cli", ["--config", config_file, *extra], env=env)
 
     _say(5, "exporting the adapters for PEFT")
-    _run("export-peft", "export.cli", ["--run", paths["run"], "--out", paths["adapter"], "--base-model", paths["hf"]])
+    _run("export-peft", "export.cli", ["--run", paths["run"], "--out", paths["adapter"], "--base-model", paths["hf"],
+                                       "--overwrite"])
 
     _say(6, "loading base + adapter with peft.PeftModel.from_pretrained and comparing")
     metrics = [json.loads(line) for line in (paths["run"] / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -3,6 +3,7 @@
 from jaxmodel.lazy import lazy_exports
 
 _EXPORTS = {"export_adapter": "export.adapter", "export_merged": "export.adapter",
+            "check_export_targets": "export.adapter",
             "save_merged": "export.merge", "parse_size": "export.merge",
             "save_peft_adapter": "jaxmodel.formats.peft_adapter", "peft_tensors": "jaxmodel.formats.peft_adapter",
             "adapter_config": "jaxmodel.formats.peft_adapter"}

@@ -20,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard of --merge")
     parser.add_argument("--dtype", default="float32", choices=list(EXPORT_DTYPES),
                         help="dtype of the adapter tensors (PEFT itself saves float32)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a PEFT adapter at --out / an HF checkpoint at --merge (never anything else)")
     parser.add_argument("--base-model", default=None,
                         help="base_model_name_or_path to record (default: the converted checkpoint the run used)")
     return parser
@@ -30,18 +32,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (args.out or args.merge):
         parser.error("give --out ADAPTER_DIR, --merge OUT_DIR, or both")
-    from export.adapter import export_adapter, export_merged
+    from export.adapter import check_export_targets, export_adapter, export_merged
     from export.merge import parse_size
     from jaxmodel.errors import UserError, report
 
     try:
         shard_size = parse_size(args.max_shard_size)
+        check_export_targets(args.run, args.out, args.merge, overwrite=args.overwrite)  # both, before writing either
         if args.out:
             out, step, lora = export_adapter(args.run, args.out, step=args.step, dtype=args.dtype,
-                                             base_model=args.base_model)
+                                             base_model=args.base_model, overwrite=args.overwrite)
             print(f"exported the LoRA adapters of step {step} (r={lora.rank}, alpha={lora.alpha:g}) -> {out}")
         if args.merge:
-            merged, step = export_merged(args.run, args.merge, step=args.step, max_shard_size=shard_size)
+            merged, step = export_merged(args.run, args.merge, step=args.step, max_shard_size=shard_size,
+                                         overwrite=args.overwrite)
             print(f"merged the LoRA adapters of step {step} into the run's base -> {merged}")
     except UserError as e:
         return report("export-peft", e)

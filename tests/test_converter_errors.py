@@ -78,9 +78,11 @@ def test_existing_nonempty_out_without_overwrite(capsys, tmp_path, src):
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "notes.txt").write_text("keep me")
-    code, err = run(capsys, "--src", str(src), "--out", str(existing))
-    assert_clean_failure(code, err, tmp_path, str(existing), "not empty", "--overwrite")
-    assert [p.name for p in existing.iterdir()] == ["notes.txt"]
+    for overwrite in ([], ["--overwrite"]):  # --overwrite replaces converted checkpoints only
+        code, err = run(capsys, "--src", str(src), "--out", str(existing), *overwrite)
+        assert_clean_failure(code, err, tmp_path, f"--out {existing}: exists, is not empty and is not a converted "
+                             "checkpoint; refusing to replace it (choose another directory)")
+        assert [p.name for p in existing.iterdir()] == ["notes.txt"]
 
 
 def test_no_checkpoint_in_directory(capsys, tmp_path, src):

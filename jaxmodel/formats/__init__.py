@@ -6,5 +6,7 @@
 - `checkpoint` / `checkpoint_writer`: the converted checkpoint (manifest, checksums, verify; the writer);
 - `peft_adapter`: PEFT LoRA adapter directories, both ways;
 - `markers`: what a directory is (HF checkpoint, converted checkpoint, run, adapter);
-- `atomic`, `io`: directories that appear whole or not at all; positioned writes and chunked reads.
+- `atomic`, `io`: directories that appear whole or not at all (stale temporaries of killed writers cleared);
+  positioned writes and chunked reads;
+- `output_dir`: the one rule for every directory a tool writes (what it may replace, what never).
 """

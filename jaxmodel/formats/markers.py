@@ -19,15 +19,17 @@ ADAPTER = "PEFT adapter"
 
 def directory_kind(path: str | Path) -> str | None:
     """Which of the toolkit's directory kinds `path` holds (one of the constants above), or None."""
+    kinds = directory_kinds(path)
+    return kinds[0] if kinds else None
+
+
+def directory_kinds(path: str | Path) -> list[str]:
+    """Every kind whose marker files `path` holds, in `directory_kind`'s order of precedence: more than one
+    means a directory mixing outputs (e.g. a HF checkpoint with an adapter_config.json dropped into it)."""
     path = Path(path)
     if not path.is_dir():
-        return None
-    if (path / MANIFEST).is_file():
-        return CONVERTED_CHECKPOINT
-    if (path / RUN_CONFIG).is_file():
-        return RUN
-    if (path / ADAPTER_CONFIG).is_file():
-        return ADAPTER
-    if any((path / name).is_file() for name in WEIGHT_FILES):
-        return HF_CHECKPOINT
-    return None
+        return []
+    found = {CONVERTED_CHECKPOINT: (path / MANIFEST).is_file(), RUN: (path / RUN_CONFIG).is_file(),
+             ADAPTER: (path / ADAPTER_CONFIG).is_file(),
+             HF_CHECKPOINT: any((path / name).is_file() for name in WEIGHT_FILES)}
+    return [kind for kind, present in found.items() if present]
