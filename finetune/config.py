@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Callable, Literal, get_args, get_origin, get_type_hints
 
 from jaxmodel.errors import UsageError
 
@@ -17,9 +18,9 @@ class ConfigFileError(ValueError, UsageError):
     """A bad option value or YAML file; the message names the file/option and what was expected."""
 
 
-# `--attention auto` takes the blockwise path from this sequence length on: one attention forward+backward
-# (b=1, 16 heads, 4 kv heads, head_dim 64, float32, 2 CPU cores) took 1.25 s plain vs 1.05 s blockwise at
-# 2048 positions, 3.1-6.9 s vs 3.7 s at 4096, 49 s vs 17 s at 8192; below 2048 the plain path is as fast.
+# `--attention auto` takes the blockwise path from this sequence length on: the whole train step through
+# finetune-lora (bench/long_context.py, 4 layers, hidden 1024, float32, 2 CPU cores) took 8.08 s xla vs 7.38 s
+# blockwise at 2048 positions and 24.7 s vs 19.2 s at 4096; at 1024 the two were within 5%.
 BLOCKWISE_FROM = 2048
 
 # Section titles for --help and docs/config.md, keyed by the first option of each section (in field order).
@@ -43,7 +44,8 @@ class TrainConfig:
     # what to train on, and where the run goes
     model: str | None = option(None, "converted checkpoint directory (convert-llama --out)")
     data: str | None = option(None, "training data: a .jsonl file (rows with 'text', 'prompt'+'completion', "
-                                     "or chat 'messages'), or a .json/.parquet/.csv file read with `datasets`")
+                                     "or chat 'messages': exactly one of these per row), or a .json/.parquet/.csv "
+                                     "file read with `datasets`")
     out: str | None = option(None, "run directory: checkpoints, metrics.jsonl, TensorBoard events")
     eval_data: str | None = option(None, "evaluation data file (same formats as --data)")
     eval_fraction: float = option(0.0, "hold out this fraction of --data rows for evaluation (when no --eval-data)")
@@ -66,7 +68,8 @@ class TrainConfig:
     steps: int = option(100, "optimizer steps")
     batch_size: int = option(8, "global batch size in sequences per optimizer step (across all devices)")
     grad_accum: int = option(1, "micro-batches per step; each micro-batch holds batch_size / grad_accum rows")
-    seq_len: int = option(512, "tokens per sequence")
+    seq_len: int = option(512, "tokens per sequence; a longer example is cut to it, with one warning counting "
+                               "the examples cut and those left with no training target")
     pack: bool = option(True, "pack several examples per sequence (attention stays within each); "
                               "--no-pack pads each example to --seq-len")
     lr: float = option(1e-4, "peak learning rate")
@@ -101,6 +104,7 @@ class TrainConfig:
     checkpoint_every: int = option(100, "save a checkpoint every N steps (and at the end)")
     keep_checkpoints: int = option(3, "keep the newest N checkpoints")
     resume: bool = option(False, "continue from the newest checkpoint in --out")
+    overwrite: bool = option(False, "start a new run in a non-empty --out, deleting the run it holds")
     stop_after: int = option(0, "end this invocation after N more steps, with a checkpoint (e.g. to fit a job's "
                                 "time limit); --resume continues the same schedule (0: run to --steps)")
     log_every: int = option(1, "write metrics every N steps")
@@ -132,21 +136,19 @@ class TrainConfig:
                           dropout=self.lora_dropout)
 
     def validate(self) -> "TrainConfig":
-        """Raise ConfigFileError for values that cannot work, naming the option."""
-        positive = ("rank", "steps", "batch_size", "grad_accum", "seq_len", "log_every", "checkpoint_every",
-                    "keep_checkpoints")
-        for name in ("loss_chunk", "mlp_chunk"):
-            if getattr(self, name) < 0:
-                raise ConfigFileError(f"--{flag_of(name)} must be 0 or a positive integer, got {getattr(self, name)}")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ConfigFileError(f"--{flag_of(name)} must be a positive integer, got {getattr(self, name)}")
+        """Raise ConfigFileError for values that cannot work, naming the option and what it accepts."""
+        hints = get_type_hints(TrainConfig)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            choices = get_args(hints[f.name]) if get_origin(hints[f.name]) is Literal else None
+            if choices and value not in choices:
+                raise ConfigFileError(f"--{flag_of(f.name)} must be one of {', '.join(choices)}, got {value!r}")
+            if f.name in OPTION_RANGES and value is not None:
+                accepts, expected = OPTION_RANGES[f.name]
+                if not accepts(value):
+                    raise ConfigFileError(f"--{flag_of(f.name)} must be {expected}, got {value}")
         if self.batch_size % self.grad_accum:
             raise ConfigFileError(f"--batch-size {self.batch_size} must be a multiple of --grad-accum {self.grad_accum}")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ConfigFileError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
-        if self.lr <= 0:
-            raise ConfigFileError(f"--lr must be positive, got {self.lr}")
         try:
             self.lora_config()
         except ValueError as e:
@@ -161,6 +163,47 @@ class TrainConfig:
                 if not getattr(self, name):
                     raise ConfigFileError(f"--{name} is required")
         return self
+
+
+# (accepts(value), what is expected) for each numeric option; comparisons with NaN are false, so NaN is refused.
+_POSITIVE_INT = (lambda v: v > 0, "a positive integer")
+_COUNT = (lambda v: v >= 0, "0 or a positive integer")
+_POSITIVE = (lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+_NON_NEGATIVE = (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+_UNIT_CLOSED = (lambda v: 0 <= v <= 1, "in [0, 1]")
+_UNIT_OPEN = (lambda v: 0 <= v < 1, "in [0, 1)")
+
+# What every int/float option accepts (tests/test_config.py checks that each one has an entry). A rank must
+# also fit the adapted layers: checked once the model's config is known (finetune/setup.py, check_rank).
+OPTION_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "eval_fraction": _UNIT_OPEN,
+    "eval_every": _COUNT,
+    "num_processes": _POSITIVE_INT,
+    "process_id": _COUNT,  # below --num-processes: checked where the processes join (finetune/mesh.py)
+    "rank": _POSITIVE_INT,
+    "alpha": _POSITIVE,
+    "lora_dropout": _UNIT_OPEN,
+    "steps": _POSITIVE_INT,
+    "batch_size": _POSITIVE_INT,
+    "grad_accum": _POSITIVE_INT,
+    "seq_len": (lambda v: v >= 2, "an integer >= 2 (a token's target is the next token)"),
+    "lr": _POSITIVE,
+    "warmup_steps": _COUNT,
+    "min_lr_ratio": _UNIT_CLOSED,
+    "weight_decay": _NON_NEGATIVE,
+    "adam_b1": _UNIT_OPEN,
+    "adam_b2": _UNIT_OPEN,
+    "adam_eps": _POSITIVE,
+    "clip_norm": _NON_NEGATIVE,
+    "seed": (lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)"),  # what numpy and JAX take as a seed
+    "loss_chunk": _COUNT,
+    "mlp_chunk": _COUNT,
+    "checkpoint_every": _POSITIVE_INT,
+    "keep_checkpoints": _POSITIVE_INT,
+    "stop_after": _COUNT,
+    "log_every": _POSITIVE_INT,
+    "hbm_gb": _POSITIVE,
+}
 
 
 def flag_of(name: str) -> str:

@@ -2,8 +2,10 @@
 
 Row formats: `{"text": ...}` (every token trained), `{"prompt": ..., "completion": ...}` (prompt tokens
 masked out of the loss), `{"messages": [{"role", "content"}, ...]}` (rendered with the tokenizer's chat
-template; only assistant turns trained). Rows are packed several to a sequence (`segment_ids` keep
-attention within each document, positions restart) or padded one to a sequence.
+template; only assistant turns trained); a row must match exactly one of them. Rows are packed several to a
+sequence (`segment_ids` keep attention within each document, positions restart) or padded one to a sequence.
+An example longer than the sequence is cut to it; given the sequence length, `tokenize` tokenizes a long row only
+as far as it needs (`encode_prefix`), so a giant row costs what the sequence holds, not what the row holds.
 
 The stream is a pure function of (seed, position): batch `g` holds rows `g*B .. g*B+B-1` of an endless
 sequence of epochs, each a seeded permutation of the rows. A checkpoint stores `g`; nothing else is needed
@@ -30,6 +32,7 @@ class DataError(ValueError, UserError):
 class Example:
     ids: np.ndarray  # int32 [n]
     trained: np.ndarray  # bool [n]: whether each token is a training target
+    where: str = ""  # the row it came from (`file:line`), for reports
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,55 +64,132 @@ def read_rows(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: not found")
-    rows: list[tuple[str, dict[str, Any]]] = []
+    kinds = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+    if path.suffix not in kinds:
+        raise DataError(f"{path}: unsupported data file (expected .jsonl, .json, .parquet or .csv)")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: no rows (the dataset is empty)")
     if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
-                rows.append((f"{path}:{number}", row))
+        rows = list(_read_jsonl(path))
     else:
-        kinds = {".json": "json", ".parquet": "parquet", ".csv": "csv"}
-        if path.suffix not in kinds:
-            raise DataError(f"{path}: unsupported data file (expected .jsonl, .json, .parquet or .csv)")
-        import datasets
-
-        table = datasets.load_dataset(kinds[path.suffix], data_files=str(path), split="train")
-        rows = [(f"{path} row {i + 1}", dict(row)) for i, row in enumerate(table)]
+        rows = [(f"{path} row {i + 1}", dict(row)) for i, row in enumerate(_load_table(path, kinds[path.suffix]))]
     if not rows:
         raise DataError(f"{path}: no rows (the dataset is empty)")
     return rows
 
 
-def tokenize(rows: Sequence[tuple[str, dict[str, Any]]], tokenizer) -> list[Example]:
-    """Examples with loss masks, by each row's format."""
-    return [_tokenize_row(where, row, tokenizer) for where, row in rows]
+def _read_jsonl(path: Path):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{number}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                                f"{e.start + 1})") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+            yield f"{path}:{number}", row
 
 
-def _tokenize_row(where: str, row: dict[str, Any], tokenizer) -> Example:
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    if isinstance(row.get("text"), str):
-        ids = bos + tokenizer.encode(row["text"], add_special_tokens=False) + eos
-        return Example(np.asarray(ids, np.int32), np.ones(len(ids), bool))
-    if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
-        prompt = bos + tokenizer.encode(row["prompt"], add_special_tokens=False)
-        completion = tokenizer.encode(row["completion"], add_special_tokens=False) + eos
-        trained = [False] * len(prompt) + [True] * len(completion)
-        return Example(np.asarray(prompt + completion, np.int32), np.asarray(trained))
-    if isinstance(row.get("messages"), list):
-        return _tokenize_chat(where, row["messages"], tokenizer)
+def _load_table(path: Path, kind: str):
+    """The rows of a .json/.parquet/.csv file read with `datasets` (its progress bars and logs silenced)."""
+    import datasets
+    import pyarrow
+    from datasets.utils import logging as datasets_logging
+
+    verbosity, bars = datasets_logging.get_verbosity(), not datasets.are_progress_bars_disabled()
+    datasets_logging.set_verbosity(datasets_logging.CRITICAL + 1)
+    datasets.disable_progress_bars()
+    try:
+        return datasets.load_dataset(kind, data_files=str(path), split="train")
+    except (datasets.exceptions.DatasetsError, pyarrow.ArrowException, UnicodeDecodeError, StopIteration) as e:
+        cause = e.__cause__ or e.__context__ or e
+        detail = next((line.strip() for line in f"{cause}".splitlines() if line.strip()), type(cause).__name__)
+        raise DataError(f"{path}: not a readable {kind} file ({detail})") from None
+    finally:
+        datasets_logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+# The layouts a row may have, by the keys that make them; a row must match exactly one.
+LAYOUTS = {"text": ("text",), "prompt+completion": ("prompt", "completion"), "messages": ("messages",)}
+
+# Tokens dropped before a cut of a long row's text: a tokenizer may merge across the cut (a word, a run of
+# spaces or digits, a special token split in two), so the tokens just before it may differ from the whole row's.
+CUT_MARGIN = 32
+# First characters of text tokenized per token a long row needs; doubled until the prefix yields enough tokens.
+CHARS_PER_TOKEN = 8
+
+
+def tokenize(rows: Sequence[tuple[str, dict[str, Any]]], tokenizer, seq_len: int | None = None) -> list[Example]:
+    """Examples with loss masks, by each row's format. With `seq_len`, an example longer than that is
+    tokenized only as far as its first `seq_len + 1` tokens (they equal the whole row's first tokens; the one
+    beyond `seq_len` marks it as longer)."""
+    limit = None if seq_len is None else seq_len + 1
+    return [_tokenize_row(where, row, tokenizer, limit) for where, row in rows]
+
+
+def encode_prefix(tokenizer, text: str, limit: int | None) -> list[int]:
+    """`tokenizer.encode(text)[:limit]`, handing the tokenizer a prefix of `text` of about `CHARS_PER_TOKEN`
+    characters per token (more for text that yields fewer tokens) instead of the whole text."""
+    def encode(piece: str) -> list[int]:
+        return tokenizer.encode(piece, add_special_tokens=False)
+
+    if limit is None:
+        return encode(text)
+    if limit <= 0:
+        return []
+    budget = CHARS_PER_TOKEN * (limit + CUT_MARGIN)
+    while budget < len(text):
+        ids = encode(text[:budget])
+        if len(ids) >= limit + CUT_MARGIN:
+            return ids[:limit]
+        budget *= 2
+    return encode(text)[:limit]
+
+
+def _layout(where: str, row: dict[str, Any]) -> str:
+    """The one layout `row` has (a key whose value is None is absent: tables fill missing columns with it)."""
+    found = [key for keys in LAYOUTS.values() for key in keys if row.get(key) is not None]
+    layouts = [name for name, keys in LAYOUTS.items() if any(row.get(key) is not None for key in keys)]
+    if len(layouts) > 1:
+        raise DataError(f"{where}: keys {', '.join(found)}: expected exactly one of the layouts "
+                        f"{' | '.join(LAYOUTS)}")
+    text, prompt, completion, messages = (row.get(k) for k in ("text", "prompt", "completion", "messages"))
+    if layouts == ["text"] and isinstance(text, str):
+        return "text"
+    if layouts == ["prompt+completion"] and isinstance(prompt, str) and isinstance(completion, str):
+        return "prompt+completion"
+    if layouts == ["messages"] and isinstance(messages, list):
+        return "messages"
     raise DataError(f"{where}: expected a 'text' string, 'prompt' and 'completion' strings, or a 'messages' list; "
                     f"found keys {sorted(row)}")
 
 
-def _tokenize_chat(where: str, messages: list, tokenizer) -> Example:
+def _tokenize_row(where: str, row: dict[str, Any], tokenizer, limit: int | None = None) -> Example:
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    layout = _layout(where, row)
+    if layout == "text":
+        ids = bos + encode_prefix(tokenizer, row["text"], None if limit is None else limit - len(bos)) + eos
+        return Example(np.asarray(ids, np.int32), np.ones(len(ids), bool), where)
+    if layout == "prompt+completion":
+        prompt = bos + encode_prefix(tokenizer, row["prompt"], None if limit is None else limit - len(bos))
+        rest = None if limit is None else limit - len(prompt)
+        completion = encode_prefix(tokenizer, row["completion"], rest) + eos
+        trained = [False] * len(prompt) + [True] * len(completion)
+        return Example(np.asarray(prompt + completion, np.int32), np.asarray(trained), where)
+    return _tokenize_chat(where, row["messages"], tokenizer, limit)
+
+
+def _tokenize_chat(where: str, messages: list, tokenizer, limit: int | None = None) -> Example:
     for m in messages:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise DataError(f"{where}: each message needs string 'role' and 'content'")
@@ -117,7 +197,32 @@ def _tokenize_chat(where: str, messages: list, tokenizer) -> Example:
         raise DataError(f"{where}: 'messages' has no assistant turn to train on")
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(f"{where}: a 'messages' row needs a tokenizer with a chat template")
+    if limit is None:
+        return _render_chat(where, messages, tokenizer)
+    budget = CHARS_PER_TOKEN * (limit + CUT_MARGIN)
+    while True:
+        kept, cut = _first_characters(messages, budget)
+        example = _render_chat(where, kept, tokenizer, stop=limit if cut else None)
+        if not cut or len(example.ids) >= limit + CUT_MARGIN:
+            return Example(example.ids[:limit], example.trained[:limit], where)
+        budget *= 2
 
+
+def _first_characters(messages: list[dict], budget: int) -> tuple[list[dict], bool]:
+    """The conversation up to its first `budget` characters of content (each message counting one more),
+    the message reaching the budget cut there and those after it left out; and whether anything was."""
+    kept = []
+    for i, m in enumerate(messages):
+        if budget < len(m["content"]) or (budget == len(m["content"]) and i + 1 < len(messages)):
+            return kept + [{**m, "content": m["content"][:budget]}], True
+        kept.append(m)
+        budget -= len(m["content"]) + 1
+    return kept, False
+
+
+def _render_chat(where: str, messages: list[dict], tokenizer, stop: int | None = None) -> Example:
+    """The conversation's tokens, each assistant turn trained (those starting at `stop` or later are left
+    untrained: only the first `stop` tokens are wanted)."""
     def render(msgs, generation_prompt=False) -> list[int]:
         out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=generation_prompt)
         return list(out["input_ids"] if hasattr(out, "keys") else out)  # a BatchEncoding in transformers 5
@@ -128,12 +233,57 @@ def _tokenize_chat(where: str, messages: list, tokenizer) -> Example:
         if message["role"] != "assistant":
             continue
         start, upto = len(render(messages[:i], True)), render(messages[: i + 1])
+        if stop is not None and start >= stop:
+            break
         end = len(upto)
         if upto != ids[:end]:
             raise DataError(f"{where}: the chat template renders a conversation differently from its prefixes; "
                             "cannot tell which tokens are the assistant's")
         trained[start:end] = True
-    return Example(np.asarray(ids, np.int32), trained)
+    return Example(np.asarray(ids, np.int32), trained, where)
+
+
+@dataclasses.dataclass(frozen=True)
+class TruncationReport:
+    """What cutting examples to `seq_len` does: how many are cut, how many of those keep no training target,
+    and the first row of each kind."""
+
+    seq_len: int
+    examples: int
+    truncated: int
+    first_truncated: str | None
+    lost: int  # cut, and none of the targets left
+    first_lost: str | None
+    with_targets: int  # examples with a target within seq_len
+
+    def warning(self) -> str | None:
+        """One line for the user when examples are cut (None when none is)."""
+        if not self.truncated:
+            return None
+        lost = f" (first: {self.first_lost})" if self.lost else ""
+        return (f"{self.truncated} of {self.examples} examples are longer than --seq-len {self.seq_len} and were cut "
+                f"to it (first: {self.first_truncated}); {self.lost} of them lost all their training targets{lost}")
+
+    def require_targets(self, source: str) -> None:
+        """Raise DataError naming `source` when no example has a training target left."""
+        if self.with_targets:
+            return
+        if self.lost:
+            raise DataError(f"{source}: no token of the data is a training target within --seq-len {self.seq_len}: "
+                            f"{self.lost} of {self.examples} examples lost all their targets to truncation "
+                            f"(first: {self.first_lost})")
+        raise DataError(f"{source}: no token of the data is a training target (every example is prompt only?)")
+
+
+def truncation_report(examples: Sequence[Example], seq_len: int) -> TruncationReport:
+    """Which examples `build_rows(examples, seq_len)` cuts, and which of those keep no target (the target of
+    token i is token i + 1: an example's targets within the sequence are `trained[1:seq_len]`)."""
+    truncated = [e for e in examples if len(e.ids) > seq_len]
+    lost = [e for e in truncated if not e.trained[1:seq_len].any()]
+    return TruncationReport(seq_len=seq_len, examples=len(examples), truncated=len(truncated),
+                            first_truncated=truncated[0].where if truncated else None, lost=len(lost),
+                            first_lost=lost[0].where if lost else None,
+                            with_targets=sum(bool(e.trained[1:seq_len].any()) for e in examples))
 
 
 def build_rows(examples: Sequence[Example], seq_len: int, *, pack: bool) -> tuple[Rows, int]:

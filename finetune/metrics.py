@@ -43,9 +43,10 @@ def measure_peak_flops(dtype, size: int = 2048, repeats: int = 5) -> float:
 
 
 class MetricsWriter:
-    """Writes on process 0 only; every process calls it."""
+    """Writes on process 0 only; every process calls it. `purge_step`: on resume, TensorBoard drops the
+    events of this step and later that an interrupted run had written (metrics.jsonl is truncated alike)."""
 
-    def __init__(self, run_dir: Path, enabled: bool):
+    def __init__(self, run_dir: Path, enabled: bool, purge_step: int | None = None):
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
@@ -54,7 +55,7 @@ class MetricsWriter:
             self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(logdir=str(run_dir / "tensorboard"))
+            self._tb = SummaryWriter(logdir=str(run_dir / "tensorboard"), purge_step=purge_step)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -13,7 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from finetune.config import ConfigFileError, TrainConfig
-from finetune.data import DataError, Rows, build_rows, read_rows, tokenize
+from finetune.data import DataError, Rows, build_rows, read_rows, tokenize, truncation_report
 from finetune.memory import sharding_table
 from finetune.mesh import initialize_distributed, make_mesh
 from finetune.step import DTYPES, TrainState, jit_steps, make_optimizer, optimizer_shardings, split_model
@@ -46,19 +47,32 @@ class Run:
 
 
 def load_data(config: TrainConfig, tokenizer) -> tuple[Rows, Rows | None]:
+    """Training rows and held-out rows (--eval-data, or --eval-fraction of --data). Examples cut to --seq-len
+    are counted in one warning line on stderr; data left with no training target is an error."""
     rows = read_rows(config.data)
     eval_rows = read_rows(config.eval_data) if config.eval_data else None
+    eval_source = config.eval_data
     if eval_rows is None and config.eval_fraction > 0:
         order = np.random.default_rng(config.seed).permutation(len(rows))
         n_eval = max(1, int(len(rows) * config.eval_fraction))
         eval_rows = [rows[i] for i in sorted(order[:n_eval])]
         rows = [rows[i] for i in sorted(order[n_eval:])]
+        eval_source = f"{config.data} (the rows held out by --eval-fraction)"
         if not rows:
             raise DataError(f"{config.data}: no training rows left after --eval-fraction {config.eval_fraction}")
-    train, _ = build_rows(tokenize(rows, tokenizer), config.seq_len, pack=config.pack)
-    if not eval_rows:
+    examples = tokenize(rows, tokenizer, config.seq_len)
+    eval_examples = tokenize(eval_rows, tokenizer, config.seq_len) if eval_rows else []
+    del rows, eval_rows  # a long row's text is not needed past its first tokens
+    truncation_report(examples, config.seq_len).require_targets(config.data)
+    if eval_examples:
+        truncation_report(eval_examples, config.seq_len).require_targets(eval_source)
+    warning = truncation_report(examples + eval_examples, config.seq_len).warning()
+    if warning and jax.process_index() == 0:
+        print(f"finetune-lora: warning: {warning}", file=sys.stderr)
+    train, _ = build_rows(examples, config.seq_len, pack=config.pack)
+    if not eval_examples:
         return train, None
-    held_out, _ = build_rows(tokenize(eval_rows, tokenizer), config.seq_len, pack=config.pack)
+    held_out, _ = build_rows(eval_examples, config.seq_len, pack=config.pack)
     return train, held_out.padded_to_multiple(config.batch_size)
 
 
@@ -81,6 +95,26 @@ def check_seq_len(config: TrainConfig, llama: LlamaConfig, mesh: Mesh) -> None:
                               "the cp axis holds two equal chunks of every sequence)")
 
 
+def layer_shapes(llama: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each linear layer LoRA can adapt, by HF module name."""
+    hidden, mlp = llama.hidden_size, llama.intermediate_size
+    q, kv = llama.num_attention_heads * llama.head_dim, llama.num_key_value_heads * llama.head_dim
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, mlp), "up_proj": (hidden, mlp), "down_proj": (mlp, hidden),
+            "lm_head": (hidden, llama.vocab_size)}
+
+
+def check_rank(config: TrainConfig, llama: LlamaConfig) -> None:
+    """A LoRA rank no larger than the smallest dimension of any adapted layer (a larger one adds parameters
+    that cannot raise the update's rank, and can make the adapters larger than the model)."""
+    shapes = layer_shapes(llama)
+    name = min((t for t in config.target_modules if t in shapes), key=lambda t: min(shapes[t]), default=None)
+    if name is not None and config.rank > min(shapes[name]):
+        (n_in, n_out), most = shapes[name], min(shapes[name])
+        raise ConfigFileError(f"--rank {config.rank} is larger than the smallest adapted layer: {name} ({n_in} -> "
+                              f"{n_out}) allows a rank of at most {most}")
+
+
 def _place(tree, mesh, rules):
     """Put every LoRA variable onto the sharding its logical axes give (same values on every process)."""
     def place(var):
@@ -91,9 +125,19 @@ def _place(tree, mesh, rules):
     return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def with_adapter_shape(config: TrainConfig) -> TrainConfig:
+    """`config` with an `--init-adapter`'s r, alpha, rsLoRA and targets in place of its own (what the run trains)."""
+    if not config.init_adapter:
+        return config
+    adapter = read_adapter(config.init_adapter)[0]
+    return dataclasses.replace(config, rank=adapter.rank, alpha=adapter.alpha, rslora=adapter.rslora,
+                               targets=",".join(sorted(adapter.targets)))
+
+
 def setup(config: TrainConfig, devices=None) -> Run:
     """Mesh (over `devices`, default all), model with LoRA, data, optimizer and jitted steps."""
-    initialize_distributed(config.coordinator, config.num_processes, config.process_id)
+    if not jax.distributed.is_initialized():  # run_training joins first, to know which process owns the run dir
+        initialize_distributed(config.coordinator, config.num_processes, config.process_id)
     mesh = make_mesh(config.mesh, devices)
     rules = DEFAULT_RULES
     check_batch_split(config, mesh, rules)
@@ -101,15 +145,14 @@ def setup(config: TrainConfig, devices=None) -> Run:
     read_manifest(model_dir)  # a clear error for a directory that is not a converted checkpoint
     llama = LlamaConfig.from_hf(model_dir)
     check_seq_len(config, llama, mesh)
+    if not config.init_adapter:  # an adapter brings its own rank, checked against the model as it loads
+        check_rank(config, llama)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_rows, eval_rows = load_data(config, tokenizer)
 
-    if config.init_adapter:
-        adapter = read_adapter(config.init_adapter)[0]
-        config = dataclasses.replace(config, rank=adapter.rank, alpha=adapter.alpha, rslora=adapter.rslora,
-                                     targets=",".join(sorted(adapter.targets)))
+    config = with_adapter_shape(config)
     param_dtype = None if config.param_dtype == "keep" else DTYPES[config.param_dtype]
     with jax.set_mesh(mesh):
         model = load_pretrained(model_dir, mesh=mesh, dtype=DTYPES[config.dtype], param_dtype=param_dtype,

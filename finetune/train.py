@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
+import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -13,14 +14,15 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from finetune.checkpoints import RunCheckpoints
+from finetune.checkpoints import CheckpointError, CheckpointSaveError, RunCheckpoints, describe_damaged
 from finetune.config import TrainConfig
 from finetune.data import Rows, row_indices
+from finetune.mesh import initialize_distributed
 from finetune.metrics import MetricsWriter, flops_per_token, measure_peak_flops
-from finetune.setup import Run, setup
+from finetune.run_guard import RunDir, RunDirError
+from finetune.setup import Run, setup, with_adapter_shape
 from finetune.step import DTYPES, TrainState
 from jaxmodel.errors import UserError
-from jaxmodel.formats.markers import RUN_CONFIG
 
 
 class TrainingError(RuntimeError, UserError):
@@ -54,23 +56,69 @@ def global_batch(rows: Rows, indices_for, sharding: NamedSharding, batch_size: i
 
 
 def run_training(config: TrainConfig) -> RunSummary:
-    """Train as `config` says (resuming if asked); returns the summary `finetune-lora` prints."""
+    """Train as `config` says (resuming if asked); returns the summary `finetune-lora` prints.
+
+    `--out` is checked before anything is written (a new run needs an empty directory, a resume the same
+    run settings) and locked for the whole run (see `finetune.run_guard`)."""
+    initialize_distributed(config.coordinator, config.num_processes, config.process_id)
+    is_main = jax.process_index() == 0  # the one process that writes the run directory
+    run_dir = _claim(config, is_main)
+    try:
+        return _train(config, run_dir, is_main)
+    finally:
+        run_dir.release()
+
+
+def _claim(config: TrainConfig, is_main: bool) -> RunDir:
+    """The run directory, checked on every process and locked by process 0; all processes fail together."""
+    error, run_dir = None, None
+    try:
+        run_dir = RunDir(config, with_adapter_shape(config), writer=is_main)
+    except UserError as e:
+        error = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        ok = multihost_utils.process_allgather(np.int32(error is None))
+        if error is None and not np.all(ok):
+            run_dir.release()
+            error = RunDirError(f"another process could not use --out {config.out} (see its error)")
+    if error is not None:
+        raise error
+    return run_dir
+
+
+def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
     run = setup(config)
     config = run.config  # with an --init-adapter's LoRA shape
     mesh, state, base = run.mesh, run.state, run.base
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:  # what export-peft needs to rebuild the model and read the checkpoints
-        (out / RUN_CONFIG).write_text(json.dumps(dataclasses.asdict(config), indent=1) + "\n")
+    if not config.resume:  # what export-peft needs to rebuild the model and read the checkpoints, written first
+        run_dir.start(config)
     checkpoints = RunCheckpoints(out / "checkpoints", config.keep_checkpoints)
     position = 0  # global batches consumed
-    if config.resume and checkpoints.latest_step() is not None:
-        with jax.set_mesh(mesh):
-            state, meta = checkpoints.restore(state)
+    if config.resume:
+        try:
+            with jax.set_mesh(mesh):
+                state, meta, restored, damaged = checkpoints.restore_newest_intact(state)
+        except CheckpointError as e:
+            checkpoints.close()
+            raise TrainingError(f"--resume: {e}") from None
         position = int(meta["data_position"])
+        if damaged:
+            moved = run_dir.move_damaged(sorted(damaged), out / "checkpoints")
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("finetune: damaged checkpoints moved")
+            checkpoints.reload()
+            if is_main:
+                print(f"finetune-lora: warning: {out / 'checkpoints'}: {describe_damaged(damaged)}; resuming from step "
+                      f"{restored} (the damaged checkpoints are kept in {moved})", file=sys.stderr)
+        run_dir.truncate_metrics(restored)  # metrics.jsonl never holds a step twice
+        run_dir.record_resume(restored, damaged)
     start_step = int(jax.device_get(state.step))
-    is_main = jax.process_index() == 0
-    metrics = MetricsWriter(out, enabled=is_main)
+    metrics = MetricsWriter(out, enabled=is_main, purge_step=start_step + 1 if config.resume else None)
     stop = {"sigterm": False}
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("sigterm", True))
 
@@ -93,6 +141,7 @@ def run_training(config: TrainConfig) -> RunSummary:
                 new_state, m = run.train_step(state, base, batch)
                 m = jax.device_get(m)
                 seconds = time.perf_counter() - t0
+                checkpoints.check()  # a save that failed in the background stops the run now
                 if not (math.isfinite(float(m["loss"])) and math.isfinite(float(m["grad_norm"]))):
                     kept = checkpoints.latest_step()
                     raise TrainingError(f"non-finite loss or gradient at step {step + 1} (loss {float(m['loss'])}); "
@@ -110,21 +159,37 @@ def run_training(config: TrainConfig) -> RunSummary:
                 if run.eval_rows is not None and config.eval_every and step % config.eval_every == 0:
                     record["eval_loss"] = evaluate(run, state, config)
                 if step % config.log_every == 0 or step == config.steps:
-                    metrics.write(step, record)
+                    _write_metrics(metrics, out, step, record)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}")
                 if step % config.checkpoint_every == 0 or step == last_step or stop["sigterm"]:
                     checkpoints.save(state, {"data_position": position, "step": step})
             if run.eval_rows is not None and not config.eval_every and step == config.steps:
-                metrics.write(step, {"eval_loss": evaluate(run, state, config)})
+                _write_metrics(metrics, out, step, {"eval_loss": evaluate(run, state, config)})
+            checkpoints.close()  # waits for the last save: a run is done when its checkpoint is
+    except CheckpointSaveError as e:
+        kept = checkpoints.latest_step()
+        raise TrainingError(f"{e}; stopped after step {step}; newest checkpoint kept: "
+                            f"{'step ' + str(kept) if kept is not None else 'none'}") from None
     finally:
         bar.close()
-        checkpoints.close()
+        try:
+            checkpoints.close()
+        except CheckpointSaveError:
+            pass  # raised above already, or the run is failing for another reason being raised
         metrics.close()
         signal.signal(signal.SIGTERM, previous)
     elapsed = time.perf_counter() - started
     return RunSummary(step - start_step, first_loss, last_loss, tokens_seen / max(elapsed, 1e-9), elapsed,
                       stopped_early=stop["sigterm"])
+
+
+def _write_metrics(metrics: MetricsWriter, out: Path, step: int, record: dict) -> None:
+    try:
+        metrics.write(step, record)
+    except OSError as e:
+        raise TrainingError(f"cannot write {out / 'metrics.jsonl'}: {os.strerror(e.errno or 0)}; stopped at step "
+                            f"{step}") from None
 
 
 def evaluate(run: Run, state: TrainState, config: TrainConfig) -> float:

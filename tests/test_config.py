@@ -1,13 +1,17 @@
-"""LlamaConfig.from_hf: both config dialects, defaults, and clear errors."""
+"""LlamaConfig.from_hf: both config dialects, defaults, and clear errors. TrainConfig.validate: every numeric
+finetune-lora option refused out of its range at parse time, and a LoRA rank the model's layers cannot hold."""
 
 import dataclasses
 import json
+from typing import get_args, get_type_hints
 
 import pytest
 from hypothesis import given
 from strategies import llama_configs
 from transformers import LlamaConfig as HFLlamaConfig
 
+from finetune.cli import main
+from finetune.config import OPTION_RANGES, ConfigFileError, TrainConfig
 from jaxmodel.config import ConfigError, LlamaConfig, RopeConfig
 
 LLAMA_31_8B = {
@@ -76,3 +80,104 @@ def test_missing_and_malformed_files(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="expected a JSON object"):
         LlamaConfig.from_hf(tmp_path)
+
+
+# ---- TrainConfig.validate: finetune-lora's option ranges ----------------------------------------------
+
+BAD_OPTIONS = [
+    (["--seed", "-1"], "--seed must be an integer in [0, 2**63), got -1"),
+    (["--seed", str(2**63)], f"--seed must be an integer in [0, 2**63), got {2**63}"),
+    (["--stop-after", "-3"], "--stop-after must be 0 or a positive integer, got -3"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be 0 or a positive integer, got -1"),
+    (["--eval-every", "-2"], "--eval-every must be 0 or a positive integer, got -2"),
+    (["--clip-norm", "-1"], "--clip-norm must be a finite number >= 0, got -1.0"),
+    (["--clip-norm", "inf"], "--clip-norm must be a finite number >= 0, got inf"),
+    (["--alpha", "-16"], "--alpha must be a finite number > 0, got -16.0"),
+    (["--alpha", "0"], "--alpha must be a finite number > 0, got 0.0"),
+    (["--min-lr-ratio", "5"], "--min-lr-ratio must be in [0, 1], got 5.0"),
+    (["--min-lr-ratio", "-0.1"], "--min-lr-ratio must be in [0, 1], got -0.1"),
+    (["--adam-b1", "1.5"], "--adam-b1 must be in [0, 1), got 1.5"),
+    (["--adam-b1", "1"], "--adam-b1 must be in [0, 1), got 1.0"),
+    (["--adam-b2", "-0.5"], "--adam-b2 must be in [0, 1), got -0.5"),
+    (["--adam-eps", "0"], "--adam-eps must be a finite number > 0, got 0.0"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be a finite number >= 0, got -0.1"),
+    (["--lora-dropout", "1"], "--lora-dropout must be in [0, 1), got 1.0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--lr=-1e-4"], "--lr must be a finite number > 0, got -0.0001"),
+    (["--hbm-gb", "0"], "--hbm-gb must be a finite number > 0, got 0.0"),
+    (["--eval-fraction", "nan"], "--eval-fraction must be in [0, 1), got nan"),
+    (["--rank", "0"], "--rank must be a positive integer, got 0"),
+    (["--seq-len", "1"], "--seq-len must be an integer >= 2 (a token's target is the next token), got 1"),
+    (["--steps", "0"], "--steps must be a positive integer, got 0"),
+    (["--batch-size", "-8"], "--batch-size must be a positive integer, got -8"),
+    (["--grad-accum", "0"], "--grad-accum must be a positive integer, got 0"),
+    (["--log-every", "0"], "--log-every must be a positive integer, got 0"),
+    (["--checkpoint-every", "0"], "--checkpoint-every must be a positive integer, got 0"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints must be a positive integer, got 0"),
+    (["--loss-chunk", "-1"], "--loss-chunk must be 0 or a positive integer, got -1"),
+    (["--mlp-chunk", "-1"], "--mlp-chunk must be 0 or a positive integer, got -1"),
+    (["--num-processes", "0"], "--num-processes must be a positive integer, got 0"),
+    (["--process-id", "-1"], "--process-id must be 0 or a positive integer, got -1"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+def test_out_of_range_options_are_one_line_usage_errors_before_anything_is_created(tmp_path, capsys, args, message):
+    out = tmp_path / "run"
+    code = main(["--model", str(tmp_path / "model"), "--data", str(tmp_path / "d.jsonl"), "--out", str(out), *args])
+    assert (code, capsys.readouterr().err.splitlines()) == (2, [f"finetune-lora: error: {message}"])
+    assert not out.exists()
+
+
+def test_a_non_finite_value_in_a_yaml_config_is_refused(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text(f"model: m\ndata: d.jsonl\nout: {tmp_path / 'run'}\nlr: .nan\n")
+    assert main(["--config", str(tmp_path / "run.yaml")]) == 2
+    assert capsys.readouterr().err.splitlines() == ["finetune-lora: error: --lr must be a finite number > 0, got nan"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_numeric_option_has_a_range():
+    """A new int/float option must state its range in OPTION_RANGES (validate() checks each one)."""
+    hints = get_type_hints(TrainConfig)
+    numeric = {f.name for f in dataclasses.fields(TrainConfig)
+               if {int, float} & ({hints[f.name]} | set(get_args(hints[f.name])))}
+    assert numeric == set(OPTION_RANGES)
+
+
+def test_the_edges_of_every_range_are_accepted():
+    edges = {"seed": 0, "stop_after": 0, "warmup_steps": 0, "eval_every": 0, "clip_norm": 0.0, "min_lr_ratio": 1.0,
+             "adam_b1": 0.0, "adam_b2": 0.0, "weight_decay": 0.0, "lora_dropout": 0.0, "eval_fraction": 0.0,
+             "seq_len": 2, "loss_chunk": 0, "mlp_chunk": 0, "process_id": 0, "num_processes": 1}
+    TrainConfig(model="m", data="d", out="o", **edges).validate()
+    TrainConfig(model="m", data="d", out="o", seed=2**63 - 1, min_lr_ratio=0.0, alpha=1e-6, adam_eps=1e-30).validate()
+
+
+def test_choices_are_checked_for_configs_built_in_python():
+    with pytest.raises(ConfigFileError, match="^--dtype must be one of bfloat16, float32, got 'float16'$"):
+        TrainConfig(model="m", data="d", out="o", dtype="float16").validate()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rank", "33"], "--rank 33 is larger than the smallest adapted layer: k_proj (64 -> 32) allows a rank of at "
+                       "most 32"),
+    (["--rank", "65", "--targets", "q_proj,o_proj"], "--rank 65 is larger than the smallest adapted layer: q_proj "
+                                                     "(64 -> 64) allows a rank of at most 64"),
+])
+def test_a_rank_larger_than_a_layer_is_refused_before_the_run_dir_exists(tmp_path, tiny_converted, capsys, args,
+                                                                        message):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "the quick fox"}\n')
+    out = tmp_path / "run"
+    code = main(["--model", str(tiny_converted), "--data", str(data), "--out", str(out), "--seq-len", "32",
+                 "--steps", "1", "--batch-size", "8", "--no-progress", *args])
+    assert (code, capsys.readouterr().err.splitlines()) == (2, [f"finetune-lora: error: {message}"])
+    assert not out.exists()
+
+
+def test_the_largest_rank_a_layer_holds_is_accepted(tiny_converted):
+    from finetune.setup import check_rank
+
+    llama = LlamaConfig.from_hf(tiny_converted)
+    check_rank(TrainConfig(model="m", data="d", out="o", rank=32).validate(), llama)
+    check_rank(TrainConfig(model="m", data="d", out="o", rank=64, targets="q_proj,o_proj").validate(), llama)

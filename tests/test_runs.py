@@ -1,0 +1,578 @@
+"""Run directories: one run owns its --out (refused, --overwrite, locked), resumes keep the run's settings and
+are recorded, damaged checkpoints fall back to the previous intact one, failed saves stop the run at once."""
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from export.cli import main as export_main
+from finetune.cli import main
+from finetune.config import TrainConfig
+from finetune.run_dir import current_run_config, load_run, read_resumes, read_run_config
+from finetune.run_guard import IMMUTABLE, LOCK_FILE, MUTABLE, NOT_COMPARED, RunDirError, RunLock
+
+# Two adapters and no rematerialisation: the quickest step to compile (what is tested does not depend on it).
+BASE = {"steps": "4", "batch-size": "8", "seq-len": "32", "dtype": "float32", "lr": "3e-3", "checkpoint-every": "2",
+        "targets": "q_proj,v_proj", "remat": "none"}
+
+
+def cli_args(model, data, out, *extra: str, **options: str) -> list[str]:
+    values = {**BASE, **{k.replace("_", "-"): v for k, v in options.items()}}
+    args = ["--model", str(model), "--data", str(data), "--out", str(out), "--no-progress"]
+    for key, value in values.items():
+        args += [f"--{key}", str(value)]
+    return args + list(extra)
+
+
+def hashes(directory: Path) -> dict[str, str]:
+    """sha256 of every file under `directory` (hidden ones too), by relative path."""
+    if not directory.exists():
+        return {}
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def error_lines(capsys) -> list[str]:
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def flat(state) -> dict[str, np.ndarray]:
+    return {".".join(map(str, k)): np.asarray(jax.device_get(v[...])) for k, v in nnx.to_flat_state(state)}
+
+
+@pytest.fixture(autouse=True)
+def fixed_peak(monkeypatch):
+    """A fixed peak FLOP/s instead of seconds of timed matmuls per run (MFU is not under test here)."""
+    import finetune.train
+
+    monkeypatch.setattr(finetune.train, "measure_peak_flops", lambda dtype: 1e12)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"add {a} + {b} =", "completion": f" {a + b}"}) + "\n"
+                            for a, b in rng.integers(0, 40, (48, 2))))
+    return path
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_converted, data_file, tmp_path_factory):
+    """A run of 4 steps with checkpoints at 2 and 4 (read-only: copy it to change it)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        import finetune.train
+
+        mp.setattr(finetune.train, "measure_peak_flops", lambda dtype: 1e12)
+        assert main(cli_args(tiny_converted, data_file, out)) == 0
+    return out
+
+
+def copy_of(run: Path, tmp_path: Path, name: str = "run") -> Path:
+    shutil.copytree(run, tmp_path / name)
+    return tmp_path / name
+
+
+# ---- one run per directory ------------------------------------------------------------------------------
+
+
+def test_a_new_run_into_a_run_directory_is_refused(tmp_path, tiny_converted, data_file, finished_run, capsys):
+    before = hashes(finished_run)
+    assert main(cli_args(tiny_converted, data_file, finished_run, steps="2")) == 1
+    assert error_lines(capsys) == [f"finetune-lora: error: --out {finished_run} is not empty: it holds a finetune-lora "
+                                   "run; --resume continues a run, --overwrite deletes it and starts anew"]
+    assert hashes(finished_run) == before
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert main(cli_args(tiny_converted, data_file, other)) == 1
+    assert error_lines(capsys) == [f"finetune-lora: error: --out {other} is not empty: it holds 1 entries (e.g. "
+                                   "'notes.txt'); --resume continues a run, --overwrite deletes it and starts anew"]
+    assert main(cli_args(tiny_converted, data_file, other, "--overwrite")) == 1
+    assert error_lines(capsys) == [f"finetune-lora: error: --out {other} holds files that are not a finetune-lora run "
+                                   "(e.g. 'notes.txt'); --overwrite deletes only a run"]
+    assert hashes(other) == {"notes.txt": hashlib.sha256(b"mine").hexdigest()}
+
+
+def test_overwrite_starts_a_clean_run(tmp_path, tiny_converted, data_file, finished_run):
+    """The old run's step-4 checkpoint, metrics and resume record go; export then reads the new run's step 2
+    (before, a keep=3 directory exported the old run's newest step under the new run's config)."""
+    run = copy_of(finished_run, tmp_path)
+    (run / "resumes.jsonl").write_text(json.dumps({"time": "t", "from_step": 2, "changes": {}}) + "\n")
+    assert main(cli_args(tiny_converted, data_file, run, "--overwrite", steps="2", rank="4")) == 0
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl", "run_config.json", "tensorboard"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
+    assert [r["step"] for r in metrics(run)] == [1, 2]
+    assert len(list((run / "tensorboard").iterdir())) == 1
+    lora, config, step = load_run(run)
+    assert (step, config.rank, config.steps) == (2, 4, 2)
+    assert flat(lora)["layers.self_attn.q_proj.lora_a"].shape[-1] == 4
+
+
+def test_overwrite_refuses_what_is_not_a_run(tmp_path, tiny_checkpoint, tiny_converted, data_file, finished_run,
+                                             capsys):
+    converted_copy = copy_of(tiny_converted, tmp_path, "converted")
+    adapter = tmp_path / "adapter"
+    assert export_main(["--run", str(finished_run), "--out", str(adapter)]) == 0
+    inside = copy_of(finished_run, tmp_path, "with-data")
+    shutil.copy(data_file, inside / "train.jsonl")
+    cases = [
+        (tiny_converted, tiny_converted, f"--out {tiny_converted} is the --model directory; a run needs a directory "
+                                         "of its own"),
+        (converted_copy, tiny_converted, f"--out {converted_copy} holds a converted checkpoint; a run needs an empty "
+                                         "or new directory of its own"),
+        (tiny_checkpoint, tiny_converted, f"--out {tiny_checkpoint} holds a HF checkpoint; a run needs an empty or "
+                                          "new directory of its own"),
+        (adapter, tiny_converted, f"--out {adapter} holds a PEFT adapter; a run needs an empty or new directory of "
+                                  "its own"),
+    ]
+    capsys.readouterr()
+    for out, model, message in cases:
+        before = hashes(out)
+        for extra in (["--overwrite"], [], ["--resume"]):
+            assert main(cli_args(model, data_file, out, *extra)) == 1, (out, extra)
+            assert error_lines(capsys) == [f"finetune-lora: error: {message}"], (out, extra)
+        assert hashes(out) == before
+    before = hashes(inside)
+    assert main(cli_args(tiny_converted, inside / "train.jsonl", inside, "--overwrite")) == 1
+    assert error_lines(capsys) == [f"finetune-lora: error: --overwrite would delete --data {inside / 'train.jsonl'}, "
+                                   f"which is inside --out {inside}"]
+    assert hashes(inside) == before
+
+
+def test_resume_and_overwrite_together_is_a_usage_error(tmp_path, tiny_converted, data_file, capsys):
+    assert main(cli_args(tiny_converted, data_file, tmp_path / "run", "--resume", "--overwrite")) == 2
+    assert error_lines(capsys) == ["finetune-lora: error: --resume continues the run in --out and --overwrite deletes "
+                                   "it: give one of them"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_with_nothing_to_resume(tmp_path, tiny_converted, data_file, finished_run, capsys):
+    missing = tmp_path / "missing"
+    assert main(cli_args(tiny_converted, data_file, missing, "--resume")) == 1
+    assert error_lines(capsys) == [f"finetune-lora: error: --resume: {missing} holds no finetune-lora run (no "
+                                   "run_config.json); nothing to resume"]
+    assert not missing.exists()
+    started = tmp_path / "started"  # a run that ended before its first checkpoint
+    started.mkdir()
+    shutil.copy(finished_run / "run_config.json", started / "run_config.json")
+    shutil.copy(finished_run / "metrics.jsonl", started / "metrics.jsonl")
+    before = hashes(started)
+    assert main(cli_args(tiny_converted, data_file, started, "--resume")) == 1
+    assert error_lines(capsys) == [f"finetune-lora: error: --resume: {started} has no checkpoint to resume from "
+                                   "(start it anew with --overwrite)"]
+    assert hashes(started) == before
+
+
+# ---- what a resume may change ---------------------------------------------------------------------------
+
+
+def test_every_option_is_classified_for_resume():
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    groups = [set(IMMUTABLE), set(MUTABLE), set(NOT_COMPARED)]
+    assert sorted(names) == sorted(n for g in groups for n in g)  # each option in exactly one group
+    assert all(IMMUTABLE.values()) and all(MUTABLE.values())  # each with its reason
+
+
+@pytest.fixture(scope="module")
+def other_files(tmp_path_factory, data_file, finished_run):
+    """Paths that differ from the finished run's: another data file, and a PEFT adapter of the same shape."""
+    root = tmp_path_factory.mktemp("other")
+    shutil.copy(data_file, root / "other.jsonl")
+    assert export_main(["--run", str(finished_run), "--out", str(root / "adapter")]) == 0
+    return root
+
+
+# option -> (CLI arguments, "old -> new" as the error line shows it); paths filled in by the test
+REFUSED = {
+    "model": (["--model", "{hf}"], "{model} -> {hf}"),
+    "data": (["--data", "{other}"], "{data} -> {other}"),
+    "eval_data": (["--eval-data", "{other}"], "None -> {other}"),
+    "eval_fraction": (["--eval-fraction", "0.25"], "0.0 -> 0.25"),
+    "rank": (["--rank", "4"], "8 -> 4"),
+    "alpha": (["--alpha", "8"], "16.0 -> 8.0"),
+    "targets": (["--targets", "q_proj"], "q_proj,v_proj -> q_proj"),
+    "rslora": (["--rslora"], "False -> True"),
+    "lora_dropout": (["--lora-dropout", "0.1"], "0.0 -> 0.1"),
+    "init_adapter": (["--init-adapter", "{adapter}"], "None -> {adapter}"),
+    "batch_size": (["--batch-size", "16"], "8 -> 16"),
+    "grad_accum": (["--grad-accum", "2"], "1 -> 2"),
+    "seq_len": (["--seq-len", "64"], "32 -> 64"),
+    "pack": (["--no-pack"], "True -> False"),
+    "seed": (["--seed", "1"], "0 -> 1"),
+    "lr": (["--lr", "1e-3"], "0.003 -> 0.001"),
+    "schedule": (["--schedule", "linear"], "cosine -> linear"),
+    "warmup_steps": (["--warmup-steps", "1"], "0 -> 1"),
+    "min_lr_ratio": (["--min-lr-ratio", "0.1"], "0.0 -> 0.1"),
+    "weight_decay": (["--weight-decay", "0.01"], "0.0 -> 0.01"),
+    "adam_b1": (["--adam-b1", "0.8"], "0.9 -> 0.8"),
+    "adam_b2": (["--adam-b2", "0.99"], "0.999 -> 0.99"),
+    "adam_eps": (["--adam-eps", "1e-6"], "1e-08 -> 1e-06"),
+    "clip_norm": (["--clip-norm", "0"], "1.0 -> 0.0"),
+    "dtype": (["--dtype", "bfloat16"], "float32 -> bfloat16"),
+    "param_dtype": (["--param-dtype", "float32"], "keep -> float32"),
+}
+
+
+def test_every_refused_option_has_a_case():
+    assert set(REFUSED) == set(IMMUTABLE)
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_resume_refuses_a_changed_run_setting(name, tiny_checkpoint, tiny_converted, data_file, finished_run,
+                                              other_files, capsys):
+    paths = {"hf": tiny_checkpoint, "model": tiny_converted, "data": data_file, "other": other_files / "other.jsonl",
+             "adapter": other_files / "adapter"}
+    args, change = REFUSED[name]
+    before = hashes(finished_run)
+    assert main(cli_args(tiny_converted, data_file, finished_run, "--resume", *[a.format(**paths) for a in args])) == 1
+    assert error_lines(capsys) == [f"finetune-lora: error: --resume: {finished_run} was trained with other settings, "
+                                   f"which a resume cannot change: --{name.replace('_', '-')}: "
+                                   f"{change.format(**paths)} (give them as they were, or start a new run)"]
+    assert hashes(finished_run) == before
+
+
+def test_resume_lists_every_refused_change(tiny_converted, data_file, finished_run, capsys):
+    before = hashes(finished_run)
+    assert main(cli_args(tiny_converted, data_file, finished_run, "--resume", "--rank", "16", "--seq-len", "64",
+                         "--steps", "9")) == 1
+    assert error_lines(capsys) == [f"finetune-lora: error: --resume: {finished_run} was trained with other settings, "
+                                   "which a resume cannot change: --rank: 8 -> 16, --seq-len: 32 -> 64 (give them as "
+                                   "they were, or start a new run)"]
+    assert hashes(finished_run) == before
+
+
+def test_resume_with_allowed_changes_is_recorded(tmp_path, tiny_converted, data_file, finished_run, monkeypatch):
+    """Steps, mesh and checkpoint cadence change; the model and data spelled differently are the same paths.
+    run_config.json keeps the run as started; resumes.jsonl records each resume against the one before."""
+    run = copy_of(finished_run, tmp_path)
+    original = (run / "run_config.json").read_bytes()
+    monkeypatch.chdir(data_file.parent)
+    changed = dict(steps="6", mesh="dp=2,fsdp=4,mp=1", checkpoint_every="1", keep_checkpoints="5")
+    assert main(cli_args(f"{tiny_converted}/.", data_file.name, run, "--resume", **changed)) == 0
+    assert (run / "run_config.json").read_bytes() == original
+    [entry] = read_resumes(run)
+    assert entry["from_step"] == 4 and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d", entry["time"])
+    assert entry["changes"] == {"mesh": ["dp=1,fsdp=-1,mp=1", "dp=2,fsdp=4,mp=1"], "steps": [4, 6],
+                                "checkpoint_every": [2, 1], "keep_checkpoints": [3, 5]}
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [2, 4, 5, 6]
+    assert read_run_config(run).steps == 4 and current_run_config(run).steps == 6
+    # the same options again: compared with the run as last resumed, so nothing changed
+    assert main(cli_args(tiny_converted, data_file, run, "--resume", **changed)) == 0
+    assert [e["changes"] for e in read_resumes(run)] == [entry["changes"], {}]
+    assert read_resumes(run)[1]["from_step"] == 6
+    _, config, step = load_run(run)
+    assert step == 6 and config == read_run_config(run)
+    assert export_main(["--run", str(run), "--out", str(tmp_path / "adapter")]) == 0
+
+
+# ---- the lock ---------------------------------------------------------------------------------------------
+
+
+def test_a_second_process_is_refused_while_a_run_holds_the_directory(tmp_path, tiny_converted, data_file, capsys):
+    """A real finetune-lora process trains; stopped (SIGSTOP) so its directory holds still, a second run on the
+    same --out (new, or --resume) names it and changes nothing; the first then ends cleanly, lock released."""
+    out = tmp_path / "run"
+    args = cli_args(tiny_converted, data_file, out, steps="100000", checkpoint_every="1")
+    holder = subprocess.Popen([sys.executable, "-m", "finetune.cli", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and holder.poll() is None and not (
+                (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
+            time.sleep(0.2)
+        holder.send_signal(signal.SIGSTOP)
+        before = hashes(out)
+        assert (out / LOCK_FILE).is_file()
+        holder_line = rf"pid {holder.pid} on {re.escape(socket.gethostname())}, since [-\d:T+]+"
+        for extra in ([], ["--resume"]):
+            assert main(args + extra) == 1
+            [line] = error_lines(capsys)
+            assert re.fullmatch(rf"finetune-lora: error: --out {re.escape(str(out))} is in use by another "
+                                rf"finetune-lora run \({holder_line}\); wait for it to end or choose another --out",
+                                line), line
+            assert hashes(out) == before
+        holder.send_signal(signal.SIGCONT)
+        holder.send_signal(signal.SIGTERM)
+        stdout, stderr = holder.communicate(timeout=120)
+    finally:
+        holder.kill()
+    assert holder.returncode == 0, stderr[-3000:]
+    assert "stopped by SIGTERM after" in stdout
+    assert not (out / LOCK_FILE).exists()
+    steps = len(metrics(out))
+    assert load_run(out)[2] == steps
+
+
+def test_a_dead_holder_does_not_block(tmp_path):
+    """The lock is the OS's: a holder killed with SIGKILL leaves its lock file, which blocks nobody."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from finetune.run_guard import RunLock; RunLock.acquire(Path(sys.argv[1])); "
+                               "print('held', flush=True); time.sleep(120)", str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirError, match=rf"is in use by another finetune-lora run \(pid {holder.pid} on "):
+            RunLock.acquire(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"pid {holder.pid} " in (tmp_path / LOCK_FILE).read_text()  # left behind by the killed holder
+    lock = RunLock.acquire(tmp_path)
+    assert (tmp_path / LOCK_FILE).read_text().startswith(f"pid {os.getpid()} on ")
+    lock.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+# ---- damaged checkpoints ----------------------------------------------------------------------------------
+
+RESUMABLE = dict(steps="6", stop_after="4")  # checkpoints at 2 and 4, then resumed to 6
+
+
+@pytest.fixture(scope="module")
+def interrupted_run(tiny_converted, data_file, tmp_path_factory):
+    """4 of 6 steps, checkpoints at 2 and 4 (read-only: copy it to change it)."""
+    out = tmp_path_factory.mktemp("interrupted") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        import finetune.train
+
+        mp.setattr(finetune.train, "measure_peak_flops", lambda dtype: 1e12)
+        assert main(cli_args(tiny_converted, data_file, out, **RESUMABLE)) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed_from_2(interrupted_run, tiny_converted, data_file, tmp_path_factory):
+    """An intact copy of the interrupted run whose step-4 checkpoint never completed, resumed: it continues from
+    step 2, and metrics.jsonl (which had steps 3 and 4 already) holds each step once."""
+    run = copy_of(interrupted_run, tmp_path_factory.mktemp("reference"))
+    shutil.rmtree(run / "checkpoints" / "4")
+    with pytest.MonkeyPatch.context() as mp:
+        import finetune.train
+
+        mp.setattr(finetune.train, "measure_peak_flops", lambda dtype: 1e12)
+        assert main(cli_args(tiny_converted, data_file, run, "--resume", **RESUMABLE)) == 0
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
+    assert read_resumes(run)[0]["from_step"] == 2
+    return run
+
+
+def flip_a_tensor_byte(step_dir: Path) -> None:
+    [data] = (step_dir / "state" / "d").iterdir()
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+
+
+def truncate_the_tensor_file(step_dir: Path) -> None:
+    [data] = (step_dir / "state" / "d").iterdir()
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+
+
+DAMAGE = {
+    "flipped-tensor-byte": (flip_a_tensor_byte, "a tensor file is corrupt (DATA_LOSS)"),
+    "truncated-tensor-file": (truncate_the_tensor_file, "a tensor file is truncated (OUT_OF_RANGE)"),
+    "deleted-meta": (lambda d: (d / "meta" / "metadata").unlink(), "missing meta/metadata"),
+    "deleted-_METADATA": (lambda d: (d / "state" / "_METADATA").unlink(), "missing state/_METADATA"),
+}
+
+
+@pytest.mark.parametrize("damage", ["flipped-tensor-byte", "deleted-_METADATA"])
+def test_resume_falls_back_to_the_previous_intact_checkpoint(damage, tmp_path, tiny_converted, data_file,
+                                                             interrupted_run, resumed_from_2, capsys):
+    run = copy_of(interrupted_run, tmp_path)
+    damage_fn, why = DAMAGE[damage]
+    damage_fn(run / "checkpoints" / "4")
+    damaged = hashes(run / "checkpoints" / "4")
+    assert main(cli_args(tiny_converted, data_file, run, "--resume", **RESUMABLE)) == 0
+    assert error_lines(capsys) == [f"finetune-lora: warning: {run / 'checkpoints'}: step 4 damaged ({why}); resuming "
+                                   f"from step 2 (the damaged checkpoints are kept in {run / 'damaged-checkpoints'})"]
+    assert hashes(run / "damaged-checkpoints" / "4") == damaged  # kept as it was
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in metrics(run)] == [r["loss"] for r in metrics(resumed_from_2)]  # bit for bit
+    assert read_resumes(run)[0]["damaged_steps"] == [4] and read_resumes(run)[0]["from_step"] == 2
+    assert load_run(run)[2] == 6
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_export_uses_the_previous_intact_checkpoint(damage, tmp_path, interrupted_run, capsys):
+    run = copy_of(interrupted_run, tmp_path)
+    damage_fn, why = DAMAGE[damage]
+    damage_fn(run / "checkpoints" / "4")
+    before = hashes(run)
+    assert export_main(["--run", str(run), "--out", str(tmp_path / "adapter")]) == 0
+    out = capsys.readouterr()
+    assert out.err.strip().splitlines() == [f"warning: {run / 'checkpoints'}: step 4 damaged ({why}); using step 2"]
+    assert "exported the LoRA adapters of step 2" in out.out
+    expected, _, _ = load_run(interrupted_run, 2)
+    got, _, step = load_run(run, warn=lambda message: None)
+    assert step == 2
+    for name, value in flat(expected).items():
+        np.testing.assert_array_equal(flat(got)[name], value, err_msg=name)
+    assert hashes(run) == before  # reading a run changes nothing
+    assert export_main(["--run", str(run), "--step", "4", "--out", str(tmp_path / "four")]) == 1
+    assert error_lines(capsys) == [f"export-peft: error: {run / 'checkpoints' / '4'}: damaged ({why})"]
+
+
+def test_no_intact_checkpoint_is_one_line(tmp_path, tiny_converted, data_file, interrupted_run, capsys):
+    run = copy_of(interrupted_run, tmp_path)
+    flip_a_tensor_byte(run / "checkpoints" / "4")
+    (run / "checkpoints" / "2" / "meta" / "metadata").unlink()
+    before = hashes(run)
+    expected = (f"{run / 'checkpoints'}: no intact checkpoint (step 4 damaged (a tensor file is corrupt (DATA_LOSS)), "
+                "step 2 damaged (missing meta/metadata))")
+    assert main(cli_args(tiny_converted, data_file, run, "--resume", **RESUMABLE)) == 1
+    assert error_lines(capsys) == [f"finetune-lora: error: --resume: {expected}"]
+    assert export_main(["--run", str(run), "--out", str(tmp_path / "adapter")]) == 1
+    assert error_lines(capsys) == [f"export-peft: error: {expected}"]
+    assert hashes(run) == before and not (tmp_path / "adapter").exists()
+
+
+# ---- failed saves -----------------------------------------------------------------------------------------
+
+FAIL_SAVE = """
+import errno, os, sys
+from orbax.checkpoint._src.handlers import json_checkpoint_handler as handler
+save = handler.JsonCheckpointHandler._save_fn
+async def full_disk(self, x, directory):
+    if directory.parent.name.split(".")[0] == sys.argv[1]:  # the temporary directory of that step
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / "metadata"))
+    return await save(self, x, directory)
+handler.JsonCheckpointHandler._save_fn = full_disk
+from finetune.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("steps, failing", [(8, 4), (4, 4)])
+def test_a_failed_save_stops_the_run_at_once(steps, failing, tmp_path, tiny_converted, data_file):
+    """The writer of step 4's checkpoint fails with ENOSPC in the background: the run stops at the next step
+    (or, for the final save, at the end) with one line; the checkpoint of step 2 is kept and restores."""
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-c", FAIL_SAVE, str(failing),
+                             *cli_args(tiny_converted, data_file, out, steps=str(steps))],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    [line] = result.stderr.strip().splitlines()
+    match = re.fullmatch(rf"finetune-lora: error: saving the checkpoint of step 4 failed: no space left on device at "
+                         rf"{re.escape(str(out / 'checkpoints' / '4'))}; stopped after step (\d); newest checkpoint "
+                         r"kept: step 2", line)
+    assert match, line
+    stopped = int(match.group(1))
+    assert stopped in ((4, 5) if steps > 4 else (4,))
+    assert [r["step"] for r in metrics(out)] == list(range(1, stopped + 1))
+    # no step 4 that looks complete: at most Orbax's temporary directory, which writers still running when the
+    # first error came may have filled again after it was removed (never read; removed when a run starts)
+    left = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert left[0] == "2" and all(name.startswith("4.orbax-checkpoint-tmp") for name in left[1:]), left
+    assert load_run(out)[2] == 2
+    assert not (out / LOCK_FILE).exists()
+    if steps > 4:  # with space again, the run resumes from the kept checkpoint; each step logged once
+        assert subprocess.run([sys.executable, "-m", "finetune.cli", "--resume",
+                               *cli_args(tiny_converted, data_file, out, steps=str(steps))],
+                              capture_output=True, timeout=300).returncode == 0
+        assert [r["step"] for r in metrics(out)] == list(range(1, steps + 1))
+        assert load_run(out)[2] == steps
+        assert not list((out / "checkpoints").glob("*tmp*"))
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount)], capture_output=True,
+                            text=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip() or result.returncode}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_stops_the_run_with_one_line(small_tmpfs, tiny_converted, data_file):
+    """A real full file system (600 KB tmpfs): the run ends with one line naming the cause; the newest checkpoint
+    it kept restores."""
+    out = small_tmpfs / "run"
+    result = subprocess.run([sys.executable, "-m", "finetune.cli", *cli_args(
+        tiny_converted, data_file, out, steps="200", checkpoint_every="1", keep_checkpoints="1000")],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    [line] = result.stderr.strip().splitlines()
+    assert re.fullmatch(r"finetune-lora: error: (saving the checkpoint of step \d+ failed: no space left on device "
+                        rf"at {re.escape(str(out))}/checkpoints/\d+; stopped after step \d+; newest checkpoint kept: "
+                        r"step \d+|cannot write .*: No space left on device; stopped at step \d+)", line), line
+    _, _, step = load_run(out)
+    assert step >= 1
+
+
+# ---- many hosts -------------------------------------------------------------------------------------------
+
+def two_processes(args: list[str], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """`finetune-lora ARGS` as 2 processes x 4 simulated devices joined over loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    procs = [subprocess.Popen([sys.executable, "-m", "finetune.cli", *args, "--coordinator", f"127.0.0.1:{port}",
+                               "--num-processes", "2", "--process-id", str(i)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results
+
+
+def test_many_hosts_lock_on_process_0_and_fail_together(tmp_path, tiny_converted, data_file):
+    """Process 0 alone takes the lock; when it cannot, process 1 stops too (instead of waiting for it forever)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    lock = RunLock.acquire(out)
+    try:
+        before = hashes(out)
+        first, second = two_processes(cli_args(tiny_converted, data_file, out, mesh="dp=2,fsdp=4,mp=1"))
+        after = hashes(out)
+    finally:
+        lock.release()
+    assert first.returncode == 1 and second.returncode == 1, (first.stderr[-2000:], second.stderr[-2000:])
+    assert re.fullmatch(rf"finetune-lora: error: --out {re.escape(str(out))} is in use by another finetune-lora run "
+                        rf"\(pid {os.getpid()} on .*\); wait for it to end or choose another --out",
+                        first.stderr.strip()), first.stderr
+    assert second.stderr.strip() == (f"finetune-lora: error: another process could not use --out {out} (see its "
+                                     "error)")
+    assert after == before
+
+
+def test_many_hosts_run_writes_the_run_directory_once(tmp_path, tiny_converted, data_file):
+    """2 processes train and resume one run: process 0 writes run_config, metrics and the resume record (once),
+    both write their checkpoint shards; the lock is gone afterwards."""
+    out = tmp_path / "run"
+    args = cli_args(tiny_converted, data_file, out, mesh="dp=2,fsdp=4,mp=1", steps="4", stop_after="2")
+    for extra in ([], ["--resume"]):
+        results = two_processes(args + extra)
+        assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
+    [resume] = read_resumes(out)
+    assert resume["from_step"] == 2 and list(resume["changes"]) == ["coordinator"]  # a new port each time
+    assert not (out / LOCK_FILE).exists()
+    assert load_run(out)[2] == 4
