@@ -12,7 +12,8 @@ _EXPORTS = {
     "TrainConfig": "finetune.config", "ConfigFileError": "finetune.config", "load_config": "finetune.config",
     "run_training": "finetune.train", "RunSummary": "finetune.train", "TrainingError": "finetune.train",
     "Run": "finetune.setup",
-    "plan": "finetune.planning", "PlanReport": "finetune.planning",
+    "plan": "finetune.planning", "PlanReport": "finetune.planning", "fit": "finetune.fitting",
+    "FitReport": "finetune.fitting", "usable_memory": "finetune.allocator",
     "load_run": "finetune.run_dir", "read_run_config": "finetune.run_dir", "RunError": "finetune.run_dir",
 }
 __all__ = sorted(_EXPORTS)

@@ -19,7 +19,7 @@ import jax
 from finetune.config import ConfigFileError, TrainConfig, flag_of
 from finetune.mesh import parse_mesh
 from finetune.planning import GB, PlanReport, plan
-from finetune.usable_memory import usable_memory
+from finetune.allocator import usable_memory
 from jaxmodel.sharding import MESH_AXES
 
 # Options that describe the plan, not the run: left out of the command line --fit prints.

@@ -22,9 +22,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from finetune.config import TrainConfig
 from finetune.memory import per_device_bytes, sharding_table
 from finetune.mesh import make_mesh
-from finetune.setup import check_batch_split, check_seq_len
+from finetune.setup import check_batch_split, check_rank, check_seq_len
 from finetune.step import BATCH_KEYS, DTYPES, TrainState, jit_steps, make_optimizer, optimizer_shardings, split_model
-from finetune.usable_memory import FRACTION, UsableMemory, fraction_to_fit, usable_memory
+from finetune.allocator import FRACTION, UsableMemory, fraction_to_fit, usable_memory
 from jaxmodel.config import LlamaConfig
 from jaxmodel.lora import apply_lora
 from jaxmodel.model import LlamaForCausalLM
@@ -33,7 +33,7 @@ from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, named_sharding
 GB = 1e9
 # Added to the compiler's temporaries: the largest shortfall of the compiler's total against the measured
 # memory of the same runs (bench/plan_accuracy.py, docs/benchmarks.md "Plan accuracy").
-TEMPORARIES_MARGIN = 0.10
+TEMPORARIES_MARGIN = 0.20
 
 
 @dataclasses.dataclass
@@ -119,6 +119,7 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
     raw = json.loads((source / "config.json" if source.is_dir() else source).read_text())
     mesh = make_mesh(config.mesh)
     check_seq_len(config, llama, mesh)
+    check_rank(config, llama)
     check_batch_split(config, mesh, DEFAULT_RULES)
     dtype, param_dtype = DTYPES[config.dtype], _param_dtype(config, raw)
     backend, itemsize = jax.default_backend(), jnp.dtype(dtype).itemsize

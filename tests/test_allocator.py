@@ -3,7 +3,7 @@
 import pytest
 
 from finetune.planning import TEMPORARIES_MARGIN, PlanReport
-from finetune.usable_memory import AllocatorSettingError, UsableMemory, fraction_to_fit, usable_memory
+from finetune.allocator import AllocatorSettingError, UsableMemory, fraction_to_fit, usable_memory
 
 GB = 1e9
 

@@ -161,3 +161,10 @@ def test_plan_with_a_missing_config_file_is_one_line(tmp_path, capsys):
     assert main(["--plan", "--model-config", str(missing), "--mesh", "dp=1,fsdp=8,mp=1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"finetune-lora: error: {missing}: not found (expected a HuggingFace Llama config.json)"]
+
+
+def test_plan_refuses_a_rank_larger_than_the_layers_before_compiling(small_config, capsys):
+    assert main(["--plan", "--model-config", str(small_config), "--mesh", "dp=1,fsdp=8,mp=1", "--rank", "64"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "finetune-lora: error: --rank 64 is larger than the smallest adapted layer: k_proj (64 -> 32) allows a rank "
+        "of at most 32"]
