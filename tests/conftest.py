@@ -1,5 +1,6 @@
 """Test setup: 8 simulated CPU devices, an offline hub, shared fixtures."""
 
+import json
 import os
 
 # Before jax is imported anywhere: a simulated 8-device node, and no network for the hub.
@@ -35,3 +36,17 @@ def tiny_converted(tiny_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("jax") / "tiny"
     convert(tiny_checkpoint, out, progress=False)
     return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_converted):
+    """The tiny checkpoint's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_converted)
+
+
+def write_jsonl(path, rows):
+    """`rows` (dicts, or raw lines as strings) as a JSONL file at `path`; returns `path`."""
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path

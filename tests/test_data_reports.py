@@ -7,7 +7,8 @@ import zlib
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
+
+from conftest import write_jsonl
 
 from finetune.cli import main
 from finetune.config import TrainConfig
@@ -18,15 +19,6 @@ from finetune.setup import load_data
 # not depend on either).
 FAST = ["--targets", "q_proj,v_proj", "--remat", "none", "--dtype", "float32", "--checkpoint-every", "100"]
 
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_converted):
-    return AutoTokenizer.from_pretrained(tiny_converted)
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
 
 
 def run_cli(tiny_converted, data, out, *extra):

@@ -5,20 +5,12 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
+
+from conftest import write_jsonl
 
 from finetune.data import DataError, Example, build_rows, read_rows, row_indices, tokenize
 from jaxmodel import load_pretrained
 
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_converted):
-    return AutoTokenizer.from_pretrained(tiny_converted)
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
 
 
 def test_prompt_tokens_are_not_trained(tmp_path, tokenizer):
