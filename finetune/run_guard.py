@@ -26,10 +26,7 @@ from typing import Any
 from finetune.config import ConfigFileError, TrainConfig, flag_of
 from finetune.run_dir import RESUMES, checkpoint_steps, current_run_config
 from jaxmodel.errors import UserError
-from jaxmodel.formats.checkpoint import MANIFEST
-from jaxmodel.formats.hf_checkpoint import WEIGHT_FILES
-from jaxmodel.formats.markers import ADAPTER, CONVERTED_CHECKPOINT, HF_CHECKPOINT, RUN_CONFIG
-from jaxmodel.formats.peft_adapter import ADAPTER_CONFIG
+from jaxmodel.formats.markers import RUN, RUN_CONFIG, directory_kinds
 
 LOCK_FILE = ".finetune-lock"
 DELETING = ".finetune-deleting-"  # prefix of the directory an --overwrite moves the old run into, then deletes
@@ -124,17 +121,6 @@ def _entries(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE and not p.name.startswith(DELETING))
 
 
-def _foreign_kind(out: Path) -> str | None:
-    """The kind of a tool's output other than a run that `out` holds (these are never written over)."""
-    if (out / MANIFEST).is_file():
-        return CONVERTED_CHECKPOINT
-    if (out / ADAPTER_CONFIG).is_file():
-        return ADAPTER
-    if any((out / name).is_file() for name in WEIGHT_FILES):
-        return HF_CHECKPOINT
-    return None
-
-
 def _inside(path: str | None, directory: Path) -> bool:
     if not path:
         return False
@@ -162,7 +148,7 @@ def check_run_dir(config: TrainConfig, effective: TrainConfig) -> Resume | None:
         raise RunDirError(f"--out {out} is a file, not a directory")
     if out.is_dir() and config.model and _same_path(out, config.model):
         raise RunDirError(f"--out {out} is the --model directory; a run needs a directory of its own")
-    kind = _foreign_kind(out) if out.is_dir() else None
+    kind = next((k for k in directory_kinds(out) if k != RUN), None)  # another tool's output: never written over
     if kind:
         raise RunDirError(f"--out {out} holds a {kind}; a run needs an empty or new directory of its own")
     has_run = (out / RUN_CONFIG).is_file()
