@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from converter.conversion import DTYPE_CHOICES, convert
+from converter.conversion import DEFAULT_QUANT_BLOCK, DTYPE_CHOICES, QUANTIZE_CHOICES, convert
 from jaxmodel.errors import UserError, report
 
 
@@ -20,6 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="output directory (written atomically)")
     parser.add_argument("--dtype", default="keep", choices=list(DTYPE_CHOICES),
                         help="dtype of the stored weights; 'keep' stores each tensor as the source has it")
+    parser.add_argument("--quantize", default=None, choices=list(QUANTIZE_CHOICES),
+                        help="store the seven projections of every layer quantized, for a frozen base (QLoRA): "
+                             "nf4 (bitsandbytes' NF4 codes) or int8; embeddings, norms and the LM head keep --dtype")
+    parser.add_argument("--quant-block", type=int, default=None, metavar="N",
+                        help=f"values per scale along each projection's input dimension, with --quantize "
+                             f"(default {DEFAULT_QUANT_BLOCK})")
     parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) for a hub id")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing converted checkpoint at --out")
     parser.add_argument("--verify", action="store_true", help="re-read the output and check every checksum")
@@ -30,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        summary = convert(args.src, args.out, dtype=args.dtype, revision=args.revision, overwrite=args.overwrite,
-                          verify=args.verify, progress=not args.no_progress)
+        summary = convert(args.src, args.out, dtype=args.dtype, quantize=args.quantize, quant_block=args.quant_block,
+                          revision=args.revision, overwrite=args.overwrite, verify=args.verify,
+                          progress=not args.no_progress)
     except UserError as e:
         return report("convert-llama", e)
     except KeyboardInterrupt:

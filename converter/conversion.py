@@ -1,7 +1,8 @@
 """`convert()`: stream a HuggingFace Llama checkpoint into this port's checkpoint format.
 
 Plan first (headers only: every tensor named, shaped and accounted for before a byte is written), then
-copy tensor by tensor into a temporary directory that is renamed into place only when complete.
+copy tensor by tensor into a temporary directory that is renamed into place only when complete. With
+`quantize`, the seven projections are quantized chunk by chunk as they stream (`jaxmodel.quantization`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from converter.errors import ConversionError
+from converter.errors import ConversionError, ConversionUsageError
 from converter.hub import resolve_source
 from jaxmodel.formats.hf_names import IGNORED, hf_to_jax, is_stacked, jax_to_hf
 from jaxmodel.formats.hf_checkpoint import (AUX_FILES, HFCheckpointError, SourceTensor, close_file, iter_chunks,
@@ -22,12 +23,16 @@ from jaxmodel.formats.hf_checkpoint import (AUX_FILES, HFCheckpointError, Source
 from jaxmodel.formats.atomic import atomic_directory
 from jaxmodel.formats.checkpoint import CheckpointError, param_specs, verify_checkpoint
 from jaxmodel.formats.checkpoint_writer import CheckpointWriter
-from jaxmodel.formats.markers import CONVERTED_CHECKPOINT
+from jaxmodel.formats.io import read_json
+from jaxmodel.formats.markers import CONVERTED_CHECKPOINT, directory_kind
 from jaxmodel.formats.output_dir import check_output_dir
 from jaxmodel.config import LlamaConfig
 from jaxmodel.formats.safetensors_file import DTYPES
+from jaxmodel.quantization import SCHEMES, Quantization, quantize
 
 DTYPE_CHOICES = {"keep": None, "bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"], "float16": DTYPES["F16"]}
+QUANTIZE_CHOICES = SCHEMES
+DEFAULT_QUANT_BLOCK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,22 +56,27 @@ def _human(n: float) -> str:
     return f"{n:.3g} T"
 
 
-def convert(src: str | Path, out: str | Path, *, dtype: str = "keep", revision: str | None = None,
-            overwrite: bool = False, verify: bool = False, progress: bool = True) -> ConversionSummary:
+def convert(src: str | Path, out: str | Path, *, dtype: str = "keep", quantize: str | None = None,
+            quant_block: int | None = None, revision: str | None = None, overwrite: bool = False,
+            verify: bool = False, progress: bool = True) -> ConversionSummary:
     """Convert the HF Llama checkpoint `src` (directory or hub id) into `out`.
 
-    `dtype`: one of bfloat16, float32, float16, or keep (each tensor as stored).
+    `dtype`: one of bfloat16, float32, float16, or keep (each tensor as stored); with `quantize` ("nf4" or
+    "int8") it applies to the unquantized tensors (embeddings, norms, LM head). `quant_block`: values per
+    scale (default 64), only with `quantize`.
     """
     start = time.perf_counter()
     if dtype not in DTYPE_CHOICES:
         raise ConversionError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPE_CHOICES)}")
+    quantization = _quantization(quantize, quant_block)
     out = Path(out)
     # Before anything is read. A hub id's snapshot in the HF cache is protected by its kind (a HF checkpoint).
     target = _check_destination(out, src if Path(src).expanduser().exists() else None, overwrite)
     source_dir = resolve_source(str(src), revision)
+    _check_unquantized_source(source_dir)
     config = LlamaConfig.from_hf(source_dir)
     kind, tensors = list_tensors(source_dir)
-    plan = _plan(config, tensors, source_dir, DTYPE_CHOICES[dtype])
+    plan = _plan(config, tensors, source_dir, DTYPE_CHOICES[dtype], quantization)
     try:
         with atomic_directory(target, "converting") as tmp:
             total = _copy(plan, tensors, kind, tmp, progress)
@@ -83,13 +93,43 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "keep", revision: 
     return ConversionSummary(out, len(plan.sources), total, time.perf_counter() - start)
 
 
+def _quantization(scheme: str | None, block: int | None) -> Quantization | None:
+    if scheme is None:
+        if block is not None:
+            raise ConversionUsageError("--quant-block needs --quantize (nf4 or int8)")
+        return None
+    if scheme not in QUANTIZE_CHOICES:
+        raise ConversionUsageError(f"--quantize {scheme!r}: expected one of {', '.join(QUANTIZE_CHOICES)}")
+    try:
+        return Quantization(scheme, DEFAULT_QUANT_BLOCK if block is None else block)
+    except ValueError as e:
+        raise ConversionUsageError(f"--quant-block {block}: {e}") from None
+
+
+def _check_unquantized_source(source_dir: Path) -> None:
+    """Refuse a converted checkpoint and an already quantized HF checkpoint as the source."""
+    if directory_kind(source_dir) == CONVERTED_CHECKPOINT:
+        raise ConversionError(f"--src {source_dir}: a converted checkpoint, not a HF checkpoint (convert-llama reads "
+                              f"the HF checkpoint it came from)")
+    config_file = source_dir / "config.json"
+    raw = read_json(config_file, ConversionError) if config_file.is_file() else {}
+    found = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if found is not None:
+        method = found.get("quant_method", "unknown method") if isinstance(found, dict) else found
+        raise ConversionError(f"{config_file}: 'quantization_config' ({method}): the checkpoint is already quantized; "
+                              f"convert-llama needs unquantized weights (use --quantize on those)")
+
+
 @dataclasses.dataclass
 class _Plan:
     specs: dict[str, tuple[tuple[int, ...], np.dtype, bool]]  # JAX path -> (shape, dtype, stacked)
     sources: dict[str, tuple[str, int]]  # HF name -> (JAX path, slice index)
+    quantization: Quantization | None = None
+    quantized: frozenset[str] = frozenset()  # weight paths stored as `.codes` + `.scales`
 
 
-def _plan(config: LlamaConfig, tensors: list[SourceTensor], source_dir: Path, dtype: np.dtype | None) -> _Plan:
+def _plan(config: LlamaConfig, tensors: list[SourceTensor], source_dir: Path, dtype: np.dtype | None,
+          quantization: Quantization | None = None) -> _Plan:
     expected = param_specs(config)
     by_path: dict[str, dict[int, SourceTensor]] = {}
     sources: dict[str, tuple[str, int]] = {}
@@ -124,16 +164,41 @@ def _plan(config: LlamaConfig, tensors: list[SourceTensor], source_dir: Path, dt
                 raise ConversionError(f"{source_dir}: missing tensor '{name}', which config.json implies")
         first = have[0].dtype
         specs[path] = (shape, dtype if dtype is not None else first, stacked)
-    return _Plan(specs, sources)
+    if quantization is None:
+        return _Plan(specs, sources)
+    quantized = _quantized_paths(config, expected, quantization, source_dir)
+    for path in quantized:
+        shape, _, stacked = specs.pop(path)
+        codes_shape, scales_shape = quantization.shapes(shape)
+        module = path.removesuffix(".weight")
+        specs[module + ".codes"] = (codes_shape, quantization.codes_dtype, stacked)
+        specs[module + ".scales"] = (scales_shape, np.dtype(np.float32), stacked)
+    return _Plan(specs, sources, quantization, frozenset(quantized))
+
+
+def _quantized_paths(config: LlamaConfig, expected: dict, quantization: Quantization, source_dir: Path) -> list[str]:
+    """The weight paths the quantized model holds as codes and scales; each input dimension checked against
+    the block, naming the tensor."""
+    # Which Linears the model quantizes does not depend on the block: ask it with a block that divides all.
+    structure = param_specs(config, quantization=Quantization("int8", 1))
+    paths = [p.removesuffix(".codes") + ".weight" for p in structure if p.endswith(".codes")]
+    for path in paths:
+        shape, _ = expected[path]
+        if shape[-1] % quantization.block:
+            name = jax_to_hf(path, 0 if is_stacked(path) else None)
+            raise ConversionError(f"{source_dir}: --quant-block {quantization.block} does not divide the input "
+                                  f"dimension {shape[-1]} of '{name}' (shape [out, in] = {list(shape[-2:])})")
+    return paths
 
 
 def _copy(plan: _Plan, tensors: list[SourceTensor], kind: str, tmp: Path, progress: bool) -> int:
     """Stream every planned tensor into its slice, file by file; returns bytes written."""
     from tqdm import tqdm
 
-    writer = CheckpointWriter(tmp, plan.specs)
+    writer = CheckpointWriter(tmp, plan.specs, plan.quantization)
     todo = [t for t in tensors if t.name in plan.sources]
-    total_bytes = sum(writer.slice_nbytes(plan.sources[t.name][0]) for t in todo)
+    total_bytes = sum(writer.slice_nbytes(path) for path, (shape, _, stacked) in plan.specs.items()
+                      for _ in range(shape[0] if stacked else 1))
     written = 0
     try:
         with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
@@ -142,6 +207,11 @@ def _copy(plan: _Plan, tensors: list[SourceTensor], kind: str, tmp: Path, progre
                 try:
                     for t in (t for t in todo if t.file == file):
                         path, index = plan.sources[t.name]
+                        if path in plan.quantized:
+                            n = _write_quantized(writer, path, index, t, handle, plan.quantization)
+                            written += n
+                            bar.update(n)
+                            continue
                         target = plan.specs[path][1]
                         if t.offset is not None and t.dtype == target:  # a byte copy: let the kernel do it
                             n = writer.copy_slice(path, index, handle, t.offset)
@@ -156,6 +226,40 @@ def _copy(plan: _Plan, tensors: list[SourceTensor], kind: str, tmp: Path, progre
     finally:
         writer.close()
     return written
+
+
+def _write_quantized(writer: CheckpointWriter, path: str, index: int, tensor: SourceTensor, handle,
+                     quantization: Quantization) -> int:
+    """Quantize one source slice chunk by chunk into its `.codes` and `.scales` slices; returns bytes written.
+
+    Blocks run along the flattened weight (the input dimension is a multiple of the block), so each chunk
+    of whole blocks gives a contiguous run of codes and of scales: memory stays a few chunks, whatever the
+    tensor's size."""
+    module = path.removesuffix(".weight")
+    codes_out, scales_out = writer.open_slice(module + ".codes", index), writer.open_slice(module + ".scales", index)
+    where = f"'{tensor.name}' in {tensor.file}"
+    for chunk in _whole_blocks(iter_chunks(tensor, handle), quantization.block):
+        try:
+            codes, scales = quantize(chunk.reshape(-1, quantization.block), quantization)
+        except ValueError as e:
+            raise ConversionError(f"{where}: {e}") from None
+        codes_out.write(memoryview(codes.reshape(-1)))
+        scales_out.write(memoryview(scales.reshape(-1).view(np.uint8)))
+    return codes_out.close() + scales_out.close()
+
+
+def _whole_blocks(chunks, block: int):
+    """The elements of `chunks` again, regrouped into flat arrays of whole blocks (a few values carried over)."""
+    carry = None
+    for chunk in chunks:
+        if carry is not None:
+            chunk = np.concatenate([carry, chunk])
+        whole = chunk.size - chunk.size % block
+        if whole:
+            yield chunk[:whole]
+        carry = chunk[whole:].copy() if whole < chunk.size else None  # the source may reuse its buffer
+    if carry is not None:
+        raise ValueError(f"a tensor of {carry.size} values beyond whole blocks of {block}")  # the plan rules it out
 
 
 def _check_destination(out: Path, src: str | Path | None, overwrite: bool) -> Path:

@@ -9,10 +9,13 @@ with `jax.lax.scan` over that axis, where each step sees a module holding one la
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmodel.quantization import Quantization, dequantize
 from jaxmodel.sharding import DEFAULT_RULES, Rules, constrain
 
 INIT_STD = 0.02  # transformers' initializer_range for Llama
@@ -28,10 +31,19 @@ class LoRAParam(nnx.Variable):
     """A LoRA adapter matrix: the only trainable variable type, so "trainable" is a type filter."""
 
 
+class QuantizedParam(nnx.Param):
+    """The codes or scales of a quantized frozen weight (`jaxmodel.quantization`): stored and loaded as they
+    are, never cast to the parameter dtype."""
+
+
 class Linear(nnx.Module):
     """`y = x @ weight.T + bias` with `weight: [out, in]` as torch stores it, plus, once a LoRA adapter is
     attached (`jaxmodel.lora.apply_lora`), `scale * (x @ lora_a) @ lora_b` with `lora_a: [in, r]`,
-    `lora_b: [r, out]`, computed in float32 as PEFT does."""
+    `lora_b: [r, out]`, computed in float32 as PEFT does.
+
+    With `quantization`, the frozen weight is held as `codes` and `scales` instead of `weight`
+    (`jaxmodel.quantization`); each call dequantizes it and then computes exactly as with `weight`.
+    `weight_shape` and `weight_axes` describe the weight either way."""
 
     def __init__(
         self,
@@ -43,10 +55,18 @@ class Linear(nnx.Module):
         layers: int | None = None,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        quantization: Quantization | None = None,
         rngs: nnx.Rngs,
     ):
         shape, names = _stacked(layers, (out_features, in_features), axes)
-        self.weight = nnx.Param(INIT_STD * jax.random.normal(rngs.params(), shape, param_dtype), axes=names)
+        self.weight_shape, self.weight_axes = shape, names
+        self.quantization = quantization
+        if quantization is None:
+            self.weight = nnx.Param(INIT_STD * jax.random.normal(rngs.params(), shape, param_dtype), axes=names)
+            self.codes = self.scales = None
+        else:
+            self.weight = None
+            self.codes, self.scales = _random_quantized(quantization, shape, names, rngs)
         if use_bias:
             bshape, bnames = _stacked(layers, (out_features,), axes[:1])
             self.bias = nnx.Param(jnp.zeros(bshape, param_dtype), axes=bnames)
@@ -64,8 +84,10 @@ class Linear(nnx.Module):
         # markedly faster on 2-D operands than with batch and sequence kept apart (bench/train.py).
         *lead, in_features = x.shape
         x_ni = x.reshape(-1, in_features).astype(self.dtype)
-        w_oi = self.weight[...].astype(self.dtype)
-        y_no = jax.lax.dot_general(x_ni, w_oi, (((1,), (1,)), ((), ())))
+        if self.quantization is None:
+            y_no = _matmul(x_ni, self.weight[...].astype(self.dtype))
+        else:
+            y_no = _dequantized_matmul(x_ni, self.codes[...], self.scales[...], self.quantization, self.dtype)
         if self.bias is not None:
             y_no = y_no + self.bias[...].astype(self.dtype)
         if self.lora_a is not None:
@@ -81,6 +103,31 @@ class Linear(nnx.Module):
             x_lora = jnp.where(keep, x_lora / (1.0 - self.lora_dropout), 0.0)
         xa_nr = (x_lora @ self.lora_a[...].astype(jnp.float32)) * self.lora_scale
         return xa_nr @ self.lora_b[...].astype(jnp.float32)
+
+
+def _matmul(x_ni: jax.Array, w_oi: jax.Array) -> jax.Array:
+    return jax.lax.dot_general(x_ni, w_oi, (((1,), (1,)), ((), ())))
+
+
+# Nothing inside is saved for the backward pass, which dequantizes again: saved, the dequantized weight of
+# every layer of the scanned stack would be kept until the backward pass (remat "none"), i.e. the whole
+# model in the compute dtype. Every use is inside the layer scan, where CSE cannot merge the two.
+@functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False,
+                   static_argnums=(3, 4))
+def _dequantized_matmul(x_ni, codes, scales, quantization: Quantization, dtype) -> jax.Array:
+    return _matmul(x_ni, dequantize(codes, scales, quantization, dtype))
+
+
+def _random_quantized(quantization: Quantization, shape, axes, rngs: nnx.Rngs):
+    """Codes drawn uniformly and absmax INIT_STD: a random model (tests, shapes); real ones are converted."""
+    codes_shape, scales_shape = quantization.shapes(shape)
+    if quantization.scheme == "nf4":
+        codes = jax.random.randint(rngs.params(), codes_shape, 0, 256, jnp.int32).astype(jnp.uint8)
+    else:
+        codes = jax.random.randint(rngs.params(), codes_shape, -127, 128, jnp.int32).astype(jnp.int8)
+    # blocks get their own axis, unsplit: a split of the input dimension then cuts at whole blocks
+    return (QuantizedParam(codes, axes=(*axes, None)),
+            QuantizedParam(jnp.full(scales_shape, INIT_STD, jnp.float32), axes=axes))
 
 
 class Embed(nnx.Module):

@@ -60,10 +60,8 @@ def apply_lora(model: LlamaForCausalLM, config: LoraConfig, *, rngs: nnx.Rngs) -
     if missing:
         raise ValueError(f"LoRA targets {sorted(missing)} are not layers of this model (tied embeddings have no lm_head)")
     for _, linear in found:
-        weight = linear.weight[...]
-        axes = linear.weight.get_metadata()["axes"]
-        *lead, out_features, in_features = weight.shape
-        *lead_axes, out_axis, in_axis = axes
+        *lead, out_features, in_features = linear.weight_shape
+        *lead_axes, out_axis, in_axis = linear.weight_axes
         bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on torch's [r, in] lora_A
         a = jax.random.uniform(rngs.params(), (*lead, in_features, config.rank), jnp.float32, -bound, bound)
         linear.lora_a = LoRAParam(a, axes=(*lead_axes, (in_axis, "lora_rank"), "lora_rank"))

@@ -17,7 +17,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmodel.attention import ATTENTION_IMPLS, attention
 from jaxmodel.context_parallel import context_parallel_attention, cp_order, cp_size
 from jaxmodel.config import LlamaConfig
-from jaxmodel.layers import Embed, Linear, RMSNorm
+from jaxmodel.layers import Embed, Linear, QuantizedParam, RMSNorm
+from jaxmodel.quantization import Quantization, quantize
 from jaxmodel.rope import apply_rope, cos_sin, inv_freq
 from jaxmodel.sharding import DEFAULT_RULES, Rules, constrain
 
@@ -49,9 +50,11 @@ class KVCache(NamedTuple):
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, layers: int | None, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: LlamaConfig, *, layers: int | None, dtype, param_dtype,
+                 quantization: Quantization | None = None, rngs: nnx.Rngs):
         c = config
-        kw = dict(use_bias=c.attention_bias, layers=layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        kw = dict(use_bias=c.attention_bias, layers=layers, dtype=dtype, param_dtype=param_dtype,
+                  quantization=quantization, rngs=rngs)
         self.q_proj = Linear(c.hidden_size, c.num_attention_heads * c.head_dim, axes=("heads", "embed"), **kw)
         self.k_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, axes=("kv_heads", "embed"), **kw)
         self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, axes=("kv_heads", "embed"), **kw)
@@ -80,9 +83,11 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: `down(silu(gate(x)) * up(x))`."""
 
-    def __init__(self, config: LlamaConfig, *, layers: int | None, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: LlamaConfig, *, layers: int | None, dtype, param_dtype,
+                 quantization: Quantization | None = None, rngs: nnx.Rngs):
         c = config
-        kw = dict(use_bias=c.mlp_bias, layers=layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        kw = dict(use_bias=c.mlp_bias, layers=layers, dtype=dtype, param_dtype=param_dtype,
+                  quantization=quantization, rngs=rngs)
         self.gate_proj = Linear(c.hidden_size, c.intermediate_size, axes=("mlp", "embed"), **kw)
         self.up_proj = Linear(c.hidden_size, c.intermediate_size, axes=("mlp", "embed"), **kw)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, axes=("embed", "mlp"), **kw)
@@ -111,8 +116,9 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, layers: int | None = None, dtype, param_dtype, rngs: nnx.Rngs):
-        kw = dict(layers=layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, config: LlamaConfig, *, layers: int | None = None, dtype, param_dtype,
+                 quantization: Quantization | None = None, rngs: nnx.Rngs):
+        kw = dict(layers=layers, dtype=dtype, param_dtype=param_dtype, quantization=quantization, rngs=rngs)
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, layers=layers, param_dtype=param_dtype)
         self.self_attn = Attention(config, **kw)
@@ -133,10 +139,12 @@ class LlamaForCausalLM(nnx.Module):
     `attention` the attention implementation without a cache: "xla" (dense scores) or "blockwise"
     (memory linear in the sequence, `jaxmodel.attention.blockwise_attention`). `mlp_chunk` > 0 runs the
     MLP over chunks of that many positions. Under a mesh with a `cp` axis the sequence is split over it
-    (`jaxmodel.context_parallel`)."""
+    (`jaxmodel.context_parallel`). With `quantization`, the seven projections of every layer hold their
+    frozen weights quantized (`jaxmodel.quantization`); embeddings, norms and the LM head do not."""
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
-                 attention: str = "xla", mlp_chunk: int = 0, rules: Rules = DEFAULT_RULES, rngs: nnx.Rngs):
+                 attention: str = "xla", mlp_chunk: int = 0, rules: Rules = DEFAULT_RULES,
+                 quantization: Quantization | None = None, rngs: nnx.Rngs):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
         if attention not in ATTENTION_IMPLS:
@@ -146,11 +154,12 @@ class LlamaForCausalLM(nnx.Module):
         self.remat = remat
         self.attention = attention
         self.mlp_chunk = mlp_chunk
+        self.quantization = quantization
         self.rules = tuple(rules)  # logical axes -> mesh axes, for activations under a mesh
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                   rngs=rngs)
         self.layers = DecoderLayer(config, layers=config.num_hidden_layers, dtype=dtype, param_dtype=param_dtype,
-                                   rngs=rngs)
+                                   quantization=quantization, rngs=rngs)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -253,6 +262,27 @@ class LlamaForCausalLM(nnx.Module):
         layer_keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_hidden_layers)
         h_btd, kv_ys = jax.lax.scan(layer_step, h_btd, (layer_state, kv_xs, layer_keys))
         return h_btd, (None if cache is None else KVCache(*kv_ys))
+
+
+def quantize_model(model: LlamaForCausalLM, quantization: Quantization) -> LlamaForCausalLM:
+    """A new model with `model`'s parameters and its projections quantized (numpy, on the host: the
+    converter's `--quantize` stores the same codes without holding a whole weight in memory)."""
+    if model.quantization is not None:
+        raise ValueError("the model is already quantized")
+    param_dtype = model.embed_tokens.weight[...].dtype
+    quantized = nnx.eval_shape(lambda: LlamaForCausalLM(
+        model.config, dtype=model.dtype, param_dtype=param_dtype, remat=model.remat, attention=model.attention,
+        mlp_chunk=model.mlp_chunk, rules=model.rules, quantization=quantization, rngs=nnx.Rngs(0)))
+    source = {".".join(map(str, path)): var for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    for path, var in nnx.to_flat_state(nnx.state(quantized, nnx.Param)):
+        name = ".".join(map(str, path))
+        if isinstance(var, QuantizedParam):
+            module, part = name.rsplit(".", 1)
+            codes, scales = quantize(np.asarray(source[module + ".weight"][...]), quantization)
+            var.set_value(jnp.asarray(codes if part == "codes" else scales))
+        else:
+            var.set_value(source[name][...])
+    return quantized
 
 
 def _dense_key_mask(attention_mask, segment_ids) -> jax.Array | None:

@@ -1,5 +1,6 @@
 """`load_pretrained`: the model from a converted checkpoint, each parameter placed straight onto its
-sharding (each process reads only the bytes of the shards its devices hold)."""
+sharding (each process reads only the bytes of the shards its devices hold). A quantized checkpoint gives
+a quantized model (`jaxmodel.quantization`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import numpy as np
 from flax import nnx
 
 from jaxmodel.config import LlamaConfig
-from jaxmodel.formats.checkpoint import DTYPES_BY_NAME, MANIFEST, CheckpointError, open_tensor, read_manifest
+from jaxmodel.formats.checkpoint import (DTYPES_BY_NAME, MANIFEST, CheckpointError, checkpoint_quantization,
+                                        open_tensor, read_manifest)
+from jaxmodel.layers import QuantizedParam
 from jaxmodel.model import LlamaForCausalLM
 from jaxmodel.sharding import DEFAULT_RULES, Rules, named_sharding
 
@@ -23,17 +26,24 @@ def load_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None, 
 
     With a mesh, each parameter is placed straight onto its sharding (from its logical axes and `rules`)
     and each process reads only the bytes of the shards its devices hold. `param_dtype` casts the stored
-    weights (default: as stored); `dtype` is the compute dtype (default: the embedding's dtype).
+    weights (default: as stored); `dtype` is the compute dtype (default: the embedding's dtype). The codes
+    and scales of a quantized checkpoint are loaded as stored, whatever `param_dtype`.
     """
     directory = Path(path)
     config = LlamaConfig.from_hf(directory)
     manifest = read_manifest(directory)
+    quantization = checkpoint_quantization(manifest, directory / MANIFEST)
     stored = manifest["tensors"]
     if dtype is None:
         dtype = param_dtype or DTYPES_BY_NAME[stored.get("embed_tokens.weight", {}).get("dtype", "float32")]
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, param_dtype=param_dtype or dtype,
-                                                       remat=remat, attention=attention, mlp_chunk=mlp_chunk,
-                                                       rules=rules, rngs=nnx.Rngs(0)))
+    try:
+        abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, param_dtype=param_dtype or dtype,
+                                                           remat=remat, attention=attention, mlp_chunk=mlp_chunk,
+                                                           rules=rules, quantization=quantization, rngs=nnx.Rngs(0)))
+    except ValueError as e:
+        if quantization is None:
+            raise
+        raise CheckpointError(f"{directory / MANIFEST}: 'quantization' does not fit config.json: {e}") from None
     for names, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
         name = ".".join(map(str, names))
         entry = stored.get(name)
@@ -44,7 +54,11 @@ def load_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None, 
                 f"{directory / MANIFEST}: '{name}' has shape {entry['shape']}, config.json implies {list(var.shape)}"
             )
         stored_array = open_tensor(directory, name, entry)
-        target = np.dtype(param_dtype) if param_dtype is not None else stored_array.dtype
+        if isinstance(var, QuantizedParam) and stored_array.dtype != var.dtype:
+            raise CheckpointError(f"{directory / MANIFEST}: '{name}' is {stored_array.dtype}, "
+                                  f"its quantization stores {np.dtype(var.dtype)}")
+        keep = param_dtype is None or isinstance(var, QuantizedParam)
+        target = stored_array.dtype if keep else np.dtype(param_dtype)
         var.set_value(_place(stored_array, target, None if mesh is None else
                            named_sharding(var.get_metadata()["axes"], var.shape, mesh, rules)))
     return abstract

@@ -3,12 +3,17 @@
 Layout (docs/design.md, "Checkpoint format"):
 
     config.json                  the HF config, verbatim (plus generation/tokenizer files)
-    jax_checkpoint.json          manifest: format, and per parameter its file, shape, dtype, crc32s
+    jax_checkpoint.json          manifest: format, version, and per parameter its file, shape, dtype, crc32s
     params/<path>.safetensors    one tensor per parameter, named by its NNX path (`layers.mlp.up_proj.weight`),
                                  torch layout; per-layer parameters stacked on a leading [layers] axis
 
 Each stacked parameter records one crc32 per layer slice, so a writer (`checkpoint_writer.py`) can fill
 slices in any order and a reader can check exactly what it read.
+
+A quantized checkpoint (version 2) also records `"quantization": {"scheme": ..., "block": ...}` and holds
+each projection as `<module>.codes` and `<module>.scales` (`jaxmodel.quantization`) instead of
+`<module>.weight`. Unquantized checkpoints stay version 1, so readers that predate quantization keep
+reading them and refuse a quantized one by its version rather than by a missing tensor.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ from jaxmodel.errors import UserError
 from jaxmodel.formats.io import ShortFileError, crc32_of_range, read_json
 from jaxmodel.formats.safetensors_file import DTYPES, SafetensorsError, TensorLocation, read_header
 from jaxmodel.model import LlamaForCausalLM
+from jaxmodel.quantization import Quantization
 
 MANIFEST = "jax_checkpoint.json"
 FORMAT = "jaxmodel-safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # unquantized
+QUANTIZED_FORMAT_VERSION = 2  # with "quantization" and codes/scales tensors
 DTYPES_BY_NAME = {dtype.name: dtype for dtype in DTYPES.values()}
 
 
@@ -37,9 +44,11 @@ class CheckpointError(ValueError, UserError):
     """A directory that is not a complete converted checkpoint; the message names the file and what is wrong."""
 
 
-def param_specs(config: LlamaConfig, param_dtype=jnp.float32) -> dict[str, tuple[tuple[int, ...], tuple]]:
+def param_specs(config: LlamaConfig, param_dtype=jnp.float32,
+                quantization: Quantization | None = None) -> dict[str, tuple[tuple[int, ...], tuple]]:
     """Every parameter of the model for `config`: NNX path -> (shape, logical axes). No weights are made."""
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, param_dtype=param_dtype, quantization=quantization,
+                                                       rngs=nnx.Rngs(0)))
     return {
         ".".join(map(str, path)): (tuple(var.shape), var.get_metadata()["axes"])
         for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param))
@@ -56,11 +65,32 @@ def read_manifest(directory: str | Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{directory}: not a converted checkpoint (no {MANIFEST}; run convert-llama first)")
     manifest = read_json(path, CheckpointError)
-    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path}: format {manifest.get('format')!r} v{manifest.get('version')}, expected {FORMAT!r} v{FORMAT_VERSION}"
-        )
+    versions = (FORMAT_VERSION, QUANTIZED_FORMAT_VERSION)
+    if manifest.get("format") != FORMAT or manifest.get("version") not in versions:
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r} v{manifest.get('version')}, expected "
+                              f"{FORMAT!r} v{FORMAT_VERSION} or v{QUANTIZED_FORMAT_VERSION}")
+    checkpoint_quantization(manifest, path)
     return manifest
+
+
+def checkpoint_quantization(manifest: Mapping, path: str | Path = MANIFEST) -> Quantization | None:
+    """The quantization a manifest records (None for version 1); CheckpointError naming `path` if malformed."""
+    entry = manifest.get("quantization")
+    if manifest.get("version") == FORMAT_VERSION:
+        if entry is not None:
+            raise CheckpointError(f"{path}: 'quantization' needs version {QUANTIZED_FORMAT_VERSION}, found version 1")
+        return None
+    if not isinstance(entry, dict) or set(entry) != {"scheme", "block"}:
+        raise CheckpointError(f"{path}: 'quantization' should be {{\"scheme\": ..., \"block\": ...}}, found {entry!r}")
+    try:
+        return Quantization(entry["scheme"], entry["block"])
+    except ValueError as e:
+        raise CheckpointError(f"{path}: 'quantization': {e}") from None
+
+
+def manifest_version(quantization: Quantization | None) -> int:
+    """The format version a checkpoint with `quantization` is written as."""
+    return FORMAT_VERSION if quantization is None else QUANTIZED_FORMAT_VERSION
 
 
 def _locate(directory: Path, path: str, entry: Mapping) -> tuple[Path, TensorLocation]:

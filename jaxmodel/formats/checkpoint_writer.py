@@ -13,19 +13,23 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from jaxmodel.formats.checkpoint import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointError, file_for
+from jaxmodel.formats.checkpoint import FORMAT, MANIFEST, CheckpointError, file_for, manifest_version
 from jaxmodel.formats.io import copy_range, crc32_of_range, pwrite_all
 from jaxmodel.formats.safetensors_file import TensorLocation, write_header
+from jaxmodel.quantization import Quantization
 
 
 class CheckpointWriter:
     """Creates every parameter file up front (header written, data region sized), then takes slices.
 
-    `slices` of a parameter is its leading-axis length for stacked parameters, else 1.
+    `slices` of a parameter is its leading-axis length for stacked parameters, else 1. A `quantization`
+    is recorded in the manifest (which makes it version 2, `jaxmodel.formats.checkpoint`).
     """
 
-    def __init__(self, directory: Path, tensors: Mapping[str, tuple[tuple[int, ...], np.dtype, bool]]):
+    def __init__(self, directory: Path, tensors: Mapping[str, tuple[tuple[int, ...], np.dtype, bool]],
+                 quantization: Quantization | None = None):
         self.directory = directory
+        self.quantization = quantization
         (directory / "params").mkdir(parents=True, exist_ok=True)
         self._entries: dict[str, dict] = {}
         self._checksummer = ThreadPoolExecutor(1, thread_name_prefix="crc32")
@@ -45,20 +49,15 @@ class CheckpointWriter:
 
     def write_slice(self, path: str, index: int, chunks: Iterable[memoryview | bytes]) -> int:
         """Write slice `index` of `path` from `chunks` (in order); returns the bytes written."""
-        expected = self.slice_nbytes(path)
-        fd, offset = self._fds[path], self._locations[path].offset + index * expected
-        written, crc = 0, 0
+        part = self.open_slice(path, index)
         for chunk in chunks:
-            n = len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
-            if written + n > expected:
-                raise CheckpointError(f"{path}[{index}]: more than the {expected} bytes its shape holds")
-            pwrite_all(fd, chunk, offset + written)
-            crc = zlib.crc32(chunk, crc)
-            written += n
-        if written != expected:
-            raise CheckpointError(f"{path}[{index}]: got {written} bytes, its shape holds {expected}")
-        self._entries[path]["crc32"][index] = crc
-        return written
+            part.write(chunk)
+        return part.close()
+
+    def open_slice(self, path: str, index: int) -> "SliceWriter":
+        """A writer of slice `index` of `path` taking its bytes in order over several calls (e.g. two slices
+        filled side by side from one source); `close()` checks the length and records the crc32."""
+        return SliceWriter(self, path, index)
 
     def copy_slice(self, path: str, index: int, src_fd: int, src_offset: int) -> int:
         """Write slice `index` of `path` from the bytes at `src_offset` of another open file, unchanged.
@@ -95,7 +94,8 @@ class CheckpointWriter:
         for fd in self._fds.values():
             os.fsync(fd)
         self.close()
-        manifest = {"format": FORMAT, "version": FORMAT_VERSION, **(info or {}),
+        quantized = {} if self.quantization is None else {"quantization": self.quantization.to_json()}
+        manifest = {"format": FORMAT, "version": manifest_version(self.quantization), **(info or {}), **quantized,
                     "tensors": dict(sorted(self._entries.items()))}
         (self.directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
@@ -104,3 +104,30 @@ class CheckpointWriter:
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}
+
+
+class SliceWriter:
+    """One slice of a `CheckpointWriter`'s parameter, written in order by `write` calls with a running crc32."""
+
+    def __init__(self, writer: CheckpointWriter, path: str, index: int):
+        self._writer, self._path, self._index = writer, path, index
+        self._expected = writer.slice_nbytes(path)
+        self._fd = writer._fds[path]
+        self._offset = writer._locations[path].offset + index * self._expected
+        self._written, self._crc = 0, 0
+
+    def write(self, chunk: memoryview | bytes) -> None:
+        n = len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
+        if self._written + n > self._expected:
+            raise CheckpointError(f"{self._path}[{self._index}]: more than the {self._expected} bytes its shape holds")
+        pwrite_all(self._fd, chunk, self._offset + self._written)
+        self._crc = zlib.crc32(chunk, self._crc)
+        self._written += n
+
+    def close(self) -> int:
+        """Check that the slice is complete and record its crc32; returns the bytes written."""
+        if self._written != self._expected:
+            raise CheckpointError(f"{self._path}[{self._index}]: got {self._written} bytes, its shape holds "
+                                  f"{self._expected}")
+        self._writer._entries[self._path]["crc32"][self._index] = self._crc
+        return self._written
