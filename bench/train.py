@@ -14,6 +14,14 @@ Also compiles the JAX step at 8 and 32 layers to show that compile time does not
 
     python bench/train.py [--rounds 5] [--steps 5]
 
+`--cli` compares instead the same JAX step run in this process with the whole `finetune-lora` command on the
+same model (built and converted once, bench/cli_runs.py), same batch, LoRA and optimizer settings: the
+steady-state step time of each (median and range over the steps after the first two of each round; the CLI's
+from its metrics.jsonl, the wall time between consecutive finished steps), rounds alternating which side
+goes first. What the CLI adds per step (building and sending batches, reading metrics) shows as the ratio.
+
+    python bench/train.py --cli [--rounds 3] [--steps 10] [--workdir /tmp/llama-jax-bench]
+
 Time only on an idle machine: anything running beside it changes the figures several-fold.
 """
 
@@ -21,13 +29,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
+import sys
 import time
+from pathlib import Path
 
 CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
 BATCH, SEQ, RANK, ALPHA = 8, 256, 8, 16.0
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LR = 1e-4  # constant, no clipping: what jax_side's optimizer is
 
 
 def jax_side(layers: int = 8, remat: str = "none"):
@@ -46,7 +58,7 @@ def jax_side(layers: int = 8, remat: str = "none"):
     model = LlamaForCausalLM(config, remat=remat, rngs=nnx.Rngs(0))
     apply_lora(model, LoraConfig(rank=RANK, alpha=ALPHA, targets=TARGETS), rngs=nnx.Rngs(1))
     graphdef, lora, base = split_model(model)
-    train_config = TrainConfig(lr=1e-4, steps=10**6, schedule="constant", clip_norm=0.0)
+    train_config = TrainConfig(lr=LR, steps=10**6, schedule="constant", clip_norm=0.0)
     tx, schedule = make_optimizer(train_config)
     state = TrainState(jnp.int32(0), lora, tx.init(lora), jax.random.key(0))
     train_fn, _ = build_steps(graphdef, schedule, tx, grad_accum=1)
@@ -118,14 +130,84 @@ def timed(run_one, steps: int) -> float:
     return BATCH * SEQ * steps / (time.perf_counter() - start)
 
 
+def step_times(run_one, steps: int) -> list[float]:
+    """Seconds of each of `steps` calls of `run_one` (each waits for its step's result)."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        run_one()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def cli_args(model: Path, data: Path, out: Path, steps: int, remat: str) -> list[str]:
+    """`finetune-lora` on the converted bench model with jax_side's batch, LoRA, optimizer and remat."""
+    return ["finetune-lora", "--model", model, "--data", data, "--out", out, "--steps", steps,
+            "--batch-size", BATCH, "--seq-len", SEQ, "--dtype", "float32", "--mesh", "dp=1,fsdp=1,mp=1",
+            "--rank", RANK, "--alpha", ALPHA, "--targets", ",".join(TARGETS), "--lr", LR, "--schedule", "constant",
+            "--clip-norm", "0", "--remat", remat, "--checkpoint-every", "100000", "--no-progress"]
+
+
+def describe(times: list[float]) -> str:
+    return f"{statistics.median(times):.3f} | {min(times):.3f}-{max(times):.3f} | {len(times)}"
+
+
+def cli_main(args) -> None:
+    """The in-process step against `finetune-lora`, step times side by side (see the module's docstring)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cli_runs import build_model, cpu_description, run_cli, step_seconds, write_text_data
+
+    steps = max(args.steps, 3)
+    workdir = Path(args.workdir)
+    print(f"CPU: {cpu_description()}", flush=True)
+    model = build_model(workdir, {**CONFIG, "rms_norm_eps": 1e-5})
+    data = write_text_data(workdir / f"train-{SEQ}.jsonl", BATCH * SEQ * steps, seed=0, row_words=SEQ - 2)
+    jax_step, _ = jax_side(8, args.remat)
+    for _ in range(2):  # warm-up: first calls, allocator, caches
+        jax_step()
+    inside, cli = [], []
+    for r in range(args.rounds):
+        for side in ("in-process", "cli") if r % 2 == 0 else ("cli", "in-process"):
+            if side == "in-process":
+                times = step_times(jax_step, steps)[2:]
+                inside += times
+            else:
+                out = workdir / "runs" / f"cli-{r}"
+                shutil.rmtree(out, ignore_errors=True)
+                run = run_cli(cli_args(model, data, out, steps, args.remat))
+                if not run.ok:
+                    raise SystemExit(f"finetune-lora failed (exit {run.returncode}): {run.error_lines()}")
+                times = step_seconds(out)[1:]  # step_seconds leaves out step 1 already
+                cli += times
+                shutil.rmtree(out, ignore_errors=True)
+            print(f"round {r + 1} {side}: {', '.join(f'{t:.3f}' for t in times)} s", flush=True)
+    ratio = statistics.median(cli) / statistics.median(inside)
+    print(f"CPU: {cpu_description()}; batch {BATCH} x seq {SEQ}, float32, LoRA r={RANK} on all seven projections, "
+          f"remat {args.remat}; {args.rounds} rounds x steps 3..{steps}")
+    print("| side | step s (median) | min-max | steps |")
+    print("|---|---|---|---|")
+    print(f"| jit step in this process | {describe(inside)} |")
+    print(f"| finetune-lora (whole CLI) | {describe(cli)} |")
+    print(f"ratio CLI / in-process (medians): {ratio:.3f} ({ratio - 1:+.1%})")
+
+
 def main() -> None:
     from finetune.config import TrainConfig
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of both sides")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per side per round")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per side per round (default 5; --cli: steps per run, default 10, the "
+                             "first two of each round not counted)")
     parser.add_argument("--remat", default=TrainConfig.remat, help="JAX remat policy (default: finetune-lora's)")
+    parser.add_argument("--cli", action="store_true", help="the in-process step against the finetune-lora command")
+    parser.add_argument("--workdir", default="/tmp/llama-jax-bench", help="--cli: model, data and run directories")
     args = parser.parse_args()
+    if args.cli:
+        args.steps = args.steps or 10
+        cli_main(args)
+        return
+    args.steps = args.steps or 5
 
     import torch
 

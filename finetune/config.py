@@ -43,11 +43,20 @@ def option(default: Any, help: str, **kw) -> Any:
 class TrainConfig:
     # what to train on, and where the run goes
     model: str | None = option(None, "converted checkpoint directory (convert-llama --out)")
-    data: str | None = option(None, "training data: a .jsonl file (rows with 'text', 'prompt'+'completion', "
-                                     "or chat 'messages': exactly one of these per row), or a .json/.parquet/.csv "
-                                     "file read with `datasets`")
+    data: str | None = option(None, "training data: a .jsonl/.json/.parquet/.csv file, a directory or glob of such "
+                                     "files (read in sorted name order), or a dataset id in the HF datasets cache")
+    data_format: Literal["auto", "text", "prompt-completion", "messages", "alpaca", "sharegpt"] = option(
+        "auto", "row layout of --data and --eval-data: text, prompt-completion, messages (OpenAI chat), alpaca "
+                "(instruction/input/output) or sharegpt (conversations of from/value); auto detects it and reports "
+                "what it found")
+    data_split: str = option("train", "split of a dataset id given as --data")
+    data_subset: str | None = option(None, "subset (configuration) of a dataset id given as --data")
+    data_cache: str | None = option(None, "directory of tokenized-data caches, reused by reruns, resumes and other "
+                                          "runs (default: $XDG_CACHE_HOME/llama-jax/data or ~/.cache/llama-jax/data)")
+    data_workers: int = option(0, "processes that tokenize the data (0: one per CPU core)")
     out: str | None = option(None, "run directory: checkpoints, metrics.jsonl, TensorBoard events")
     eval_data: str | None = option(None, "evaluation data file (same formats as --data)")
+    eval_split: str = option("test", "split of a dataset id given as --eval-data (its subset: --data-subset)")
     eval_fraction: float = option(0.0, "hold out this fraction of --data rows for evaluation (when no --eval-data)")
     eval_every: int = option(0, "evaluate every N steps (0: only at the end, if there is eval data)")
     # mesh and hosts
@@ -117,6 +126,10 @@ class TrainConfig:
                                   "the part JAX's allocator lets a run use (XLA_CLIENT_MEM_FRACTION, default 0.75)")
     fit: bool = option(False, "with --plan: try --remat, --grad-accum and --mesh settings, fastest first, and print "
                               "the first that fits as a command line")
+    quantize: Literal["none", "nf4", "int8"] = option("none", "with --plan --model-config: plan a base quantized "
+                                                              "this way (convert-llama --quantize); a quantized "
+                                                              "--model says so itself")
+    quant_block: int = option(64, "with --plan --quantize: values per scale (convert-llama --quant-block)")
     show_sharding: bool = option(False, "print each parameter's sharding and per-device bytes, then continue")
 
     def attention_impl(self, cp: int = 1) -> str:
@@ -178,6 +191,7 @@ _UNIT_OPEN = (lambda v: 0 <= v < 1, "in [0, 1)")
 OPTION_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eval_fraction": _UNIT_OPEN,
     "eval_every": _COUNT,
+    "data_workers": _COUNT,
     "num_processes": _POSITIVE_INT,
     "process_id": _COUNT,  # below --num-processes: checked where the processes join (finetune/mesh.py)
     "rank": _POSITIVE_INT,
@@ -203,6 +217,7 @@ OPTION_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stop_after": _COUNT,
     "log_every": _POSITIVE_INT,
     "hbm_gb": _POSITIVE,
+    "quant_block": _POSITIVE_INT,
 }
 
 

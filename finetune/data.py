@@ -6,6 +6,8 @@ template; only assistant turns trained); a row must match exactly one of them. R
 sequence (`segment_ids` keep attention within each document, positions restart) or padded one to a sequence.
 An example longer than the sequence is cut to it; given the sequence length, `tokenize` tokenizes a long row only
 as far as it needs (`encode_prefix`), so a giant row costs what the sequence holds, not what the row holds.
+`tokenize` works one row at a time: it is the reference that `finetune.tokenization` (batched, in worker
+processes, into a cached store) equals and falls back to, and `build_rows` the one `finetune.packing` equals.
 
 The stream is a pure function of (seed, position): batch `g` holds rows `g*B .. g*B+B-1` of an endless
 sequence of epochs, each a seeded permutation of the rows. A checkpoint stores `g`; nothing else is needed
@@ -59,63 +61,13 @@ class Rows:
                        for f in dataclasses.fields(self)})
 
 
-def read_rows(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
-    """(where, row) pairs; `where` is `file:line` for JSONL so errors can point at the line."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: not found")
-    kinds = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-    if path.suffix not in kinds:
-        raise DataError(f"{path}: unsupported data file (expected .jsonl, .json, .parquet or .csv)")
-    if path.stat().st_size == 0:
-        raise DataError(f"{path}: no rows (the dataset is empty)")
-    if path.suffix == ".jsonl":
-        rows = list(_read_jsonl(path))
-    else:
-        rows = [(f"{path} row {i + 1}", dict(row)) for i, row in enumerate(_load_table(path, kinds[path.suffix]))]
-    if not rows:
-        raise DataError(f"{path}: no rows (the dataset is empty)")
-    return rows
+def read_rows(spec: str | Path) -> list[tuple[str, dict[str, Any]]]:
+    """(where, row) pairs of every row `spec` names (`finetune.data_sources.open_source`), read whole: for the
+    per-row reference path and small files (the demo's test set), not for training data."""
+    from finetune.data_sources import open_source  # it imports this module
 
-
-def _read_jsonl(path: Path):
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{number}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
-                                f"{e.start + 1})") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
-            yield f"{path}:{number}", row
-
-
-def _load_table(path: Path, kind: str):
-    """The rows of a .json/.parquet/.csv file read with `datasets` (its progress bars and logs silenced)."""
-    import datasets
-    import pyarrow
-    from datasets.utils import logging as datasets_logging
-
-    verbosity, bars = datasets_logging.get_verbosity(), not datasets.are_progress_bars_disabled()
-    datasets_logging.set_verbosity(datasets_logging.CRITICAL + 1)
-    datasets.disable_progress_bars()
-    try:
-        return datasets.load_dataset(kind, data_files=str(path), split="train")
-    except (datasets.exceptions.DatasetsError, pyarrow.ArrowException, UnicodeDecodeError, StopIteration) as e:
-        cause = e.__cause__ or e.__context__ or e
-        detail = next((line.strip() for line in f"{cause}".splitlines() if line.strip()), type(cause).__name__)
-        raise DataError(f"{path}: not a readable {kind} file ({detail})") from None
-    finally:
-        datasets_logging.set_verbosity(verbosity)
-        if bars:
-            datasets.enable_progress_bars()
+    source = open_source(str(spec))
+    return [(source.where(i), dict(row)) for i, row in enumerate(source.dataset)]
 
 
 # The layouts a row may have, by the keys that make them; a row must match exactly one.
@@ -195,6 +147,8 @@ def _tokenize_chat(where: str, messages: list, tokenizer, limit: int | None = No
             raise DataError(f"{where}: each message needs string 'role' and 'content'")
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: 'messages' has no assistant turn to train on")
+    if messages[0]["role"] == "assistant":  # its tokens start after the rendering of no message, which has none
+        raise DataError(f"{where}: 'messages' starts with an assistant turn; expected a system or user turn first")
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(f"{where}: a 'messages' row needs a tokenizer with a chat template")
     if limit is None:
@@ -305,6 +259,8 @@ def build_rows(examples: Sequence[Example], seq_len: int, *, pack: bool) -> tupl
             ids, trained = ids[:seq_len], trained[:seq_len]
             truncated += 1
         n = len(ids)
+        if not n:  # an empty example holds no token and no target: no segment
+            continue
         if fill and (not pack or fill + n > seq_len):
             flush()
         segment += 1

@@ -40,6 +40,9 @@ IMMUTABLE = {
     "data": "the rows the stored data position counts through",
     "eval_data": "the held-out set every eval_loss in metrics.jsonl is measured on",
     "eval_fraction": "which rows of --data are held out, so which rows train",
+    "data_format": "how each row becomes tokens and training targets",
+    "data_split": "which rows --data names", "data_subset": "which rows --data names",
+    "eval_split": "the held-out set every eval_loss in metrics.jsonl is measured on",
     "rank": "the shape of the stored adapters",
     "alpha": "the adapters' scale (export writes it from run_config.json)",
     "targets": "which modules have stored adapters",
@@ -74,6 +77,9 @@ MUTABLE = {
     "checkpoint_every": "when to save", "keep_checkpoints": "how many to keep",
     "stop_after": "this invocation's length", "log_every": "how often to log", "progress": "display only",
     "show_sharding": "display only",
+    "data_cache": "where tokenized data is kept: the same rows either way",
+    "data_workers": "speed only: the same tokens either way",
+    "quantize": "planning only", "quant_block": "planning only",
     "plan": "planning only", "model_config": "planning only", "hbm_gb": "planning only", "fit": "planning only",
 }
 # Not compared: where the run is (the same directory, however spelled) and how this invocation treats it.

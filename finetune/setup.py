@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -14,9 +15,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from finetune.config import ConfigFileError, TrainConfig
-from finetune.data import DataError, Rows, build_rows, read_rows, tokenize, truncation_report
+from finetune.data import DataError, TruncationReport
+from finetune.data_cache import CachedData, load_tokenized
+from finetune.data_sources import DataSource, names_files, open_source
+from finetune.layouts import Detection, detect
 from finetune.memory import sharding_table
 from finetune.mesh import initialize_distributed, make_mesh
+from finetune.packing import PackedRows, truncation_report_from_store
 from finetune.step import DTYPES, TrainState, jit_steps, make_optimizer, optimizer_shardings, split_model
 from jaxmodel.config import LlamaConfig
 from jaxmodel.formats.checkpoint import read_manifest
@@ -41,39 +46,93 @@ class Run:
     train_step: Callable
     eval_step: Callable
     batch_sharding: NamedSharding
-    train_rows: Rows
-    eval_rows: Rows | None
+    train_rows: PackedRows
+    eval_rows: PackedRows | None
     tokenizer: Any
 
 
-def load_data(config: TrainConfig, tokenizer) -> tuple[Rows, Rows | None]:
-    """Training rows and held-out rows (--eval-data, or --eval-fraction of --data). Examples cut to --seq-len
-    are counted in one warning line on stderr; data left with no training target is an error."""
-    rows = read_rows(config.data)
-    eval_rows = read_rows(config.eval_data) if config.eval_data else None
-    eval_source = config.eval_data
-    if eval_rows is None and config.eval_fraction > 0:
-        order = np.random.default_rng(config.seed).permutation(len(rows))
-        n_eval = max(1, int(len(rows) * config.eval_fraction))
-        eval_rows = [rows[i] for i in sorted(order[:n_eval])]
-        rows = [rows[i] for i in sorted(order[n_eval:])]
-        eval_source = f"{config.data} (the rows held out by --eval-fraction)"
-        if not rows:
+def load_data(config: TrainConfig, tokenizer) -> tuple[PackedRows, PackedRows | None]:
+    """Training rows and held-out rows (--eval-data, or --eval-fraction of --data), packed from the data tokenized
+    once and cached (finetune.data_cache). Examples cut to --seq-len are counted in one warning line on stderr;
+    data left with no training target is an error. Process 0 shows the tokenizing progress and ends with one
+    summary line on stderr."""
+    main, started = jax.process_index() == 0, time.perf_counter()
+    data = _tokenized(config, open_source(config.data, split=config.data_split, subset=config.data_subset),
+                      tokenizer, main)
+    examples, held_out, eval_examples, eval_name = np.arange(len(data.source)), None, None, config.data
+    if config.eval_data:
+        subset = None if names_files(config.eval_data) else config.data_subset  # a subset is a dataset id's
+        eval_source = open_source(config.eval_data, split=config.eval_split, subset=subset)
+        held_out, eval_name = _tokenized(config, eval_source, tokenizer, main), config.eval_data
+        eval_examples = np.arange(len(held_out.source))
+    elif config.eval_fraction > 0:
+        order = np.random.default_rng(config.seed).permutation(len(data.source))
+        n_eval = max(1, int(len(data.source) * config.eval_fraction))
+        eval_examples, examples = np.sort(order[:n_eval]), np.sort(order[n_eval:])
+        held_out, eval_name = data, f"{config.data} (the rows held out by --eval-fraction)"
+        if not len(examples):
             raise DataError(f"{config.data}: no training rows left after --eval-fraction {config.eval_fraction}")
-    examples = tokenize(rows, tokenizer, config.seq_len)
-    eval_examples = tokenize(eval_rows, tokenizer, config.seq_len) if eval_rows else []
-    del rows, eval_rows  # a long row's text is not needed past its first tokens
-    truncation_report(examples, config.seq_len).require_targets(config.data)
-    if eval_examples:
-        truncation_report(eval_examples, config.seq_len).require_targets(eval_source)
-    warning = truncation_report(examples + eval_examples, config.seq_len).warning()
-    if warning and jax.process_index() == 0:
+    report = data.report(examples, config.seq_len)
+    report.require_targets(config.data)
+    if held_out is not None:
+        eval_report = held_out.report(eval_examples, config.seq_len)
+        eval_report.require_targets(eval_name)
+        report = _both(report, eval_report)
+    warning = report.warning()
+    if warning and main:
         print(f"finetune-lora: warning: {warning}", file=sys.stderr)
-    train, _ = build_rows(examples, config.seq_len, pack=config.pack)
-    if not eval_examples:
-        return train, None
-    held_out, _ = build_rows(eval_examples, config.seq_len, pack=config.pack)
-    return train, held_out.padded_to_multiple(config.batch_size)
+    train_rows = PackedRows.build(data.cached.data, examples, config.seq_len, config.pack)
+    eval_rows = None if held_out is None else PackedRows.build(held_out.cached.data, eval_examples, config.seq_len,
+                                                              config.pack)
+    if main:
+        kind = "packed" if config.pack else "padded"
+        line = (f"{data.layout.report(len(data.source))}; {_amount(data.cached.data.meta['tokens'])} tokens -> "
+                f"{len(train_rows):,} {kind} rows of {config.seq_len}")
+        if eval_rows is not None:
+            line += f" (+ {len(eval_rows):,} held out, from {len(eval_examples):,} rows)"
+        line += (f"; {report.truncated:,} truncated, {report.examples - report.with_targets:,} with no targets; "
+                 f"{data.cache_status()}")
+        if config.eval_data:
+            line += f"; --eval-data {held_out.cache_status()}"
+        line += f"; prepared in {time.perf_counter() - started:.1f} s"
+        print(f"finetune-lora: data: {line}", file=sys.stderr)
+    return train_rows, None if eval_rows is None else eval_rows.padded_to_multiple(config.batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tokenized:
+    source: DataSource
+    layout: Detection
+    cached: CachedData
+
+    def report(self, examples: np.ndarray, seq_len: int) -> TruncationReport:
+        return truncation_report_from_store(self.cached.data, examples, seq_len, self.source.where)
+
+    def cache_status(self) -> str:
+        return f"cache {'hit' if self.cached.hit else 'miss'} ({self.cached.directory})"
+
+
+def _tokenized(config: TrainConfig, source: DataSource, tokenizer, main: bool) -> _Tokenized:
+    """`source` tokenized by --data-format: from the cache, or now (with a progress bar on process 0)."""
+    layout = detect(source.dataset.column_names, source.description, config.data_format)
+    cached = load_tokenized(source, tokenizer, config.seq_len, layout.layout, cache=config.data_cache,
+                            workers=config.data_workers, progress=config.progress and main)
+    return _Tokenized(source, layout, cached)
+
+
+def _both(a: TruncationReport, b: TruncationReport) -> TruncationReport:
+    """One report of the examples of `a` followed by those of `b`."""
+    return TruncationReport(seq_len=a.seq_len, examples=a.examples + b.examples, truncated=a.truncated + b.truncated,
+                            first_truncated=a.first_truncated or b.first_truncated, lost=a.lost + b.lost,
+                            first_lost=a.first_lost or b.first_lost, with_targets=a.with_targets + b.with_targets)
+
+
+def _amount(n: int) -> str:
+    """A count for people: 1234567 -> 1.2M."""
+    for unit, size in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
 
 
 def check_batch_split(config: TrainConfig, mesh: Mesh, rules: Rules) -> None:

@@ -16,8 +16,9 @@ from jax.sharding import NamedSharding
 
 from finetune.checkpoints import CheckpointError, CheckpointSaveError, RunCheckpoints, describe_damaged
 from finetune.config import TrainConfig
-from finetune.data import Rows, row_indices
+from finetune.data import row_indices
 from finetune.mesh import initialize_distributed
+from finetune.prefetch import Prefetcher
 from finetune.metrics import MetricsWriter, flops_per_token, measure_peak_flops
 from finetune.run_guard import RunDir, RunDirError
 from finetune.setup import Run, setup, with_adapter_shape
@@ -44,15 +45,30 @@ class RunSummary:
         return f"{how} {self.steps} steps, {losses}, {self.tokens_per_s:,.0f} tokens/s, {self.seconds:.1f} s"
 
 
-def global_batch(rows: Rows, indices_for, sharding: NamedSharding, batch_size: int) -> dict[str, jax.Array]:
-    """The global batch as arrays laid out by `sharding`; this process reads only its own devices' rows."""
-    seq_len = rows.input_ids.shape[1]
+def local_row_range(sharding: NamedSharding, batch_size: int, seq_len: int) -> tuple[int, int]:
+    """The rows `[lo, hi)` of each global batch that this process's devices hold under `sharding`."""
     index_map = sharding.addressable_devices_indices_map((batch_size, seq_len))
     starts = sorted({idx[0].start or 0 for idx in index_map.values()})
     stops = sorted({idx[0].stop if idx[0].stop is not None else batch_size for idx in index_map.values()})
-    lo, hi = starts[0], stops[-1]
+    return starts[0], stops[-1]
+
+
+def global_batch(rows, indices_for, sharding: NamedSharding, batch_size: int,
+                 seq_len: int | None = None) -> dict[str, jax.Array]:
+    """The global batch as arrays laid out by `sharding`; this process reads only its own devices' rows.
+
+    `rows` is anything with `take(index)` and `len()` (`finetune.data.Rows`, packed rows); `indices_for(lo, hi)`
+    gives the row indices of positions `[lo, hi)` of the batch. `seq_len` defaults to that of `rows`."""
+    if seq_len is None:
+        seq_len = rows.take(np.zeros(0, np.int64))["input_ids"].shape[1]
+    lo, hi = local_row_range(sharding, batch_size, seq_len)
     local = rows.take(indices_for(lo, hi))
     return {k: jax.make_array_from_process_local_data(sharding, v, (batch_size, seq_len)) for k, v in local.items()}
+
+
+# Global batches built and sent to the devices ahead of the step that takes them (0: built in the step loop).
+# Each one held ahead costs one more batch of device memory (a few int32/float32 [batch, seq] arrays).
+PREFETCH_DEPTH = 2
 
 
 def run_training(config: TrainConfig) -> RunSummary:
@@ -125,51 +141,68 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
     train_rows, batch_sharding = run.train_rows, run.batch_sharding
     flops = flops_per_token(run.llama, config.seq_len)
     peak = measure_peak_flops(DTYPES[config.dtype]) * jax.device_count()
-    first_loss = last_loss = None
-    tokens_seen, started = 0.0, time.perf_counter()
+    started = time.perf_counter()
     from tqdm import tqdm
 
     bar = tqdm(total=config.steps, initial=start_step, desc="finetune", disable=not (config.progress and is_main))
-    step = start_step
     last_step = min(config.steps, start_step + config.stop_after) if config.stop_after else config.steps
+    evaluating = run.eval_rows is not None and config.eval_every > 0
+    reader = _StepReader(config, checkpoints, bar, flops, peak, start_step)
+
+    def batch_at(g: int) -> dict[str, jax.Array]:  # the stream of batches: a function of (seed, position) only
+        return global_batch(train_rows, lambda lo, hi: row_indices(len(train_rows), config.seed, g, config.batch_size,
+                                                                   lo, hi), batch_sharding, config.batch_size,
+                            config.seq_len)
+
+    def log(step: int, record: dict) -> None:
+        if step % config.log_every == 0 or step == config.steps:
+            _write_metrics(metrics, out, step, record)
+
+    def save(state: TrainState, step: int) -> None:
+        checkpoints.save(state, {"data_position": position + step - start_step, "step": step})
+
+    # Step s + 1 is started before step s's metrics are read, so the devices never wait for the host. A step
+    # whose state is needed (eval, checkpoint) is read before the next one starts: the next step donates the
+    # state, and a checkpoint must only ever hold steps whose loss was checked.
+    started_step = saved = start_step
+    pending = None  # (step, metrics) of the newest step started and not yet read
+    batches = Prefetcher(batch_at, position, position + last_step - start_step, PREFETCH_DEPTH)
     try:
-        with jax.set_mesh(mesh):
-            while step < last_step and not stop["sigterm"]:
-                batch = global_batch(train_rows, lambda lo, hi, g=position: row_indices(
-                    len(train_rows), config.seed, g, config.batch_size, lo, hi), batch_sharding, config.batch_size)
-                t0 = time.perf_counter()
-                new_state, m = run.train_step(state, base, batch)
-                m = jax.device_get(m)
-                seconds = time.perf_counter() - t0
-                checkpoints.check()  # a save that failed in the background stops the run now
-                if not (math.isfinite(float(m["loss"])) and math.isfinite(float(m["grad_norm"]))):
-                    kept = checkpoints.latest_step()
-                    raise TrainingError(f"non-finite loss or gradient at step {step + 1} (loss {float(m['loss'])}); "
-                                        f"stopped; newest checkpoint kept: "
-                                        f"{'step ' + str(kept) if kept is not None else 'none'}")
-                state, position, step = new_state, position + 1, step + 1
-                tokens = config.batch_size * config.seq_len
-                tokens_seen += tokens
-                loss = float(m["loss"])
-                first_loss = loss if first_loss is None else first_loss
-                last_loss = loss
-                record = {"loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
-                          "tokens_per_s": tokens / seconds, "mfu": flops * tokens / seconds / peak,
-                          "target_tokens": int(m["tokens"])}
-                if run.eval_rows is not None and config.eval_every and step % config.eval_every == 0:
-                    record["eval_loss"] = evaluate(run, state, config)
-                if step % config.log_every == 0 or step == config.steps:
-                    _write_metrics(metrics, out, step, record)
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}")
-                if step % config.checkpoint_every == 0 or step == last_step or stop["sigterm"]:
-                    checkpoints.save(state, {"data_position": position, "step": step})
-            if run.eval_rows is not None and not config.eval_every and step == config.steps:
-                _write_metrics(metrics, out, step, {"eval_loss": evaluate(run, state, config)})
+        with jax.set_mesh(mesh), batches:
+            while started_step < last_step and not stop["sigterm"]:
+                try:
+                    _, batch = next(batches)
+                except Exception:
+                    if pending is not None:  # read first, as a loop that builds each batch after the step before
+                        log(*reader.read(*pending))
+                    raise
+                state, m = run.train_step(state, base, batch)
+                started_step += 1
+                if pending is not None:
+                    log(*reader.read(*pending))
+                pending = (started_step, m)
+                eval_now = evaluating and started_step % config.eval_every == 0
+                if eval_now or started_step % config.checkpoint_every == 0:
+                    step, record = reader.read(*pending)
+                    pending = None
+                    if eval_now:
+                        record["eval_loss"] = evaluate(run, state, config)
+                    log(step, record)
+                    if step % config.checkpoint_every == 0:
+                        save(state, step)
+                        saved = step
+                    reader.restart_clock()  # eval and saving are not step time
+            if pending is not None:
+                log(*reader.read(*pending))
+                pending = None
+            if reader.done > saved:  # the last step (the end, --stop-after, SIGTERM) is always checkpointed
+                save(state, reader.done)
+            if run.eval_rows is not None and not config.eval_every and reader.done == config.steps:
+                _write_metrics(metrics, out, reader.done, {"eval_loss": evaluate(run, state, config)})
             checkpoints.close()  # waits for the last save: a run is done when its checkpoint is
     except CheckpointSaveError as e:
         kept = checkpoints.latest_step()
-        raise TrainingError(f"{e}; stopped after step {step}; newest checkpoint kept: "
+        raise TrainingError(f"{e}; stopped after step {reader.done}; newest checkpoint kept: "
                             f"{'step ' + str(kept) if kept is not None else 'none'}") from None
     finally:
         bar.close()
@@ -180,8 +213,49 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
         metrics.close()
         signal.signal(signal.SIGTERM, previous)
     elapsed = time.perf_counter() - started
-    return RunSummary(step - start_step, first_loss, last_loss, tokens_seen / max(elapsed, 1e-9), elapsed,
-                      stopped_early=stop["sigterm"])
+    return RunSummary(reader.done - start_step, reader.first_loss, reader.last_loss,
+                      reader.tokens_seen / max(elapsed, 1e-9), elapsed, stopped_early=stop["sigterm"])
+
+
+class _StepReader:
+    """Reads each step's metrics once it is done: stops the run on a failed save or a non-finite loss, and
+    makes the step's metrics.jsonl record and progress-bar update."""
+
+    def __init__(self, config: TrainConfig, checkpoints: RunCheckpoints, bar, flops: float, peak: float,
+                 start_step: int):
+        self.config, self.checkpoints, self.bar, self.flops, self.peak = config, checkpoints, bar, flops, peak
+        self.done = start_step  # steps read and found finite
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+        self.tokens_seen = 0.0
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """Time the next step from now (after work between steps that is not training)."""
+        self._clock = time.perf_counter()
+
+    def read(self, step: int, m: dict[str, jax.Array]) -> tuple[int, dict]:
+        """(step, record) for the train step `step` that returned metrics `m`; waits for it to finish."""
+        m = jax.device_get(m)
+        now = time.perf_counter()  # steps run back to back: the wall time since the previous one finished
+        seconds, self._clock = now - self._clock, now
+        self.checkpoints.check()  # a save that failed in the background stops the run now
+        loss = float(m["loss"])
+        if not (math.isfinite(loss) and math.isfinite(float(m["grad_norm"]))):
+            kept = self.checkpoints.latest_step()
+            raise TrainingError(f"non-finite loss or gradient at step {step} (loss {loss}); stopped; newest checkpoint "
+                                f"kept: {'step ' + str(kept) if kept is not None else 'none'}")
+        assert step == self.done + 1, (step, self.done)
+        self.done = step
+        tokens = self.config.batch_size * self.config.seq_len
+        self.tokens_seen += tokens
+        self.first_loss = loss if self.first_loss is None else self.first_loss
+        self.last_loss = loss
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.4f}")
+        return step, {"loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
+                      "tokens_per_s": tokens / seconds, "mfu": self.flops * tokens / seconds / self.peak,
+                      "target_tokens": int(m["tokens"])}
 
 
 def _write_metrics(metrics: MetricsWriter, out: Path, step: int, record: dict) -> None:
@@ -196,9 +270,10 @@ def evaluate(run: Run, state: TrainState, config: TrainConfig) -> float:
     """Mean target-token loss over the whole eval set (padded to whole batches with loss-free rows)."""
     rows = run.eval_rows
     loss_sum = tokens = 0.0
-    for g in range(len(rows) // config.batch_size):
-        batch = global_batch(rows, lambda lo, hi, g=g: np.arange(g * config.batch_size + lo, g * config.batch_size + hi),
-                              run.batch_sharding, config.batch_size)
+    b = config.batch_size
+    for g in range(len(rows) // b):
+        batch = global_batch(rows, lambda lo, hi, g=g: np.arange(g * b + lo, g * b + hi), run.batch_sharding, b,
+                             config.seq_len)
         l, n = jax.device_get(run.eval_step(state.lora, run.base, batch))
         loss_sum, tokens = loss_sum + float(l), tokens + float(n)
     return loss_sum / max(tokens, 1.0)

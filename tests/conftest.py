@@ -1,12 +1,21 @@
 """Test setup: 8 simulated CPU devices, an offline hub, shared fixtures."""
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
 
 # Before jax is imported anywhere: a simulated 8-device node, and no network for the hub.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Caches the tools write (tokenized data, datasets' Arrow copies) go to a directory of this test session,
+# never the user's: tests and their subprocesses start from empty caches.
+_CACHE = tempfile.mkdtemp(prefix="llama-jax-tests-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ["XDG_CACHE_HOME"] = _CACHE
+os.environ["HF_HOME"] = os.path.join(_CACHE, "huggingface")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -50,3 +59,8 @@ def write_jsonl(path, rows):
     """`rows` (dicts, or raw lines as strings) as a JSONL file at `path`; returns `path`."""
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
+
+
+def stderr_lines(text: str) -> list[str]:
+    """The lines of a tool's stderr, less `finetune-lora`'s data summary (printed by every run that loads data)."""
+    return [line for line in text.strip().splitlines() if not line.startswith("finetune-lora: data: ")]

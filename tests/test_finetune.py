@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from conftest import stderr_lines
 from finetune.cli import main
 from finetune.config import TrainConfig
 from finetune.data import row_indices
@@ -290,7 +291,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny
     code = main(["--model", str(tiny_converted), "--data", str(data_file), "--out", str(tmp_path / "run"),
                  "--steps", "20", "--batch-size", "8", "--seq-len", "32", "--dtype", "float32", "--lr", "1e30",
                  "--clip-norm", "0", "--checkpoint-every", "1", "--no-progress"])
-    err = capsys.readouterr().err.strip().splitlines()
+    err = stderr_lines(capsys.readouterr().err)
     assert code == 1 and len(err) == 1
     assert "non-finite loss or gradient at step" in err[0] and "newest checkpoint kept: step" in err[0]
     bad_step = int(err[0].split("at step ")[1].split()[0])
@@ -309,7 +310,7 @@ def test_bad_options_are_one_line_errors(tmp_path, tiny_converted, data_file, ca
     base = ["--model", str(tiny_converted), "--data", str(data_file), "--out", str(tmp_path / "run"), "--steps", "1",
             "--seq-len", "32", "--batch-size", "8", "--no-progress"]
     code = main(base + args)
-    err = capsys.readouterr().err.strip().splitlines()
+    err = stderr_lines(capsys.readouterr().err)
     assert code != 0 and len(err) == 1 and message in err[0], err
 
 
@@ -323,13 +324,13 @@ def test_bad_inputs_are_one_line_errors(tmp_path, tiny_checkpoint, tiny_converte
     cases = [
         (["--model", str(tiny_converted), "--data", str(empty)], f"{empty}: no rows"),
         (["--model", str(tiny_converted), "--data", str(broken)], f"{broken}:2: not valid JSON"),
-        (["--model", str(tiny_converted), "--data", str(missing)], f"{missing}:2: expected a 'text' string"),
+        (["--model", str(tiny_converted), "--data", str(missing)], f"{missing}:2: layout text expects a 'text' string"),
         (["--model", str(tiny_checkpoint), "--data", str(missing)], "not a converted checkpoint"),
     ]
     for args, message in cases:
         code = main(args + ["--out", str(tmp_path / "run"), "--steps", "1", "--seq-len", "32", "--batch-size", "8",
                             "--no-progress"])
-        err = capsys.readouterr().err.strip().splitlines()
+        err = stderr_lines(capsys.readouterr().err)
         assert code != 0 and len(err) == 1 and message in err[0], (args, err)
 
 

@@ -1,6 +1,7 @@
 """The data pipeline: row formats and their loss masks, packing without leakage, order, bad rows."""
 
 import json
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +9,9 @@ import pytest
 
 from conftest import write_jsonl
 
+from finetune.config import TrainConfig
 from finetune.data import DataError, Example, build_rows, read_rows, row_indices, tokenize
+from finetune.setup import load_data
 from jaxmodel import load_pretrained
 
 
@@ -102,6 +105,8 @@ def test_order_is_a_seeded_permutation_per_epoch():
     (['{"text": "ok"}', '', '[1, 2]'], "d.jsonl:3: expected a JSON object"),
     (['{"question": "no"}'], "d.jsonl:1: expected a 'text' string, 'prompt' and 'completion' strings, or a 'messages'"),
     (['{"messages": [{"role": "user", "content": "hi"}]}'], "d.jsonl:1: 'messages' has no assistant turn"),
+    (['{"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "a"}]}'],
+     "d.jsonl:1: 'messages' starts with an assistant turn; expected a system or user turn first"),
     ([], "d.jsonl: no rows (the dataset is empty)"),
 ])
 def test_bad_rows_are_named_with_their_line(tmp_path, tokenizer, lines, message):
@@ -115,3 +120,61 @@ def test_other_file_formats_go_through_datasets(tmp_path, tokenizer):
     path = tmp_path / "d.json"
     path.write_text(json.dumps([{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"}]))
     assert len(tokenize(read_rows(path), tokenizer)) == 2
+
+
+# ---- the cached, batched path equals the per-row one -------------------------------------------------------
+
+def mixed_rows():
+    long = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)
+    rows = []
+    for i in range(40):
+        rows.append([{"text": f"the fox {i}" + (" " + long if i % 7 == 0 else "")},
+                     {"prompt": f"add {i} + 1 =" + (" " + long if i % 9 == 0 else ""), "completion": f" {i + 1}"},
+                     {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"hi {i}"},
+                                   {"role": "assistant", "content": "hello" + (" " + long if i % 5 == 0 else "")},
+                                   {"role": "user", "content": "again"}, {"role": "assistant", "content": f"{i}"}]},
+                     ][i % 3])
+    return rows
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_load_data_gives_the_rows_of_the_per_row_path(tmp_path, tokenizer, capsys, pack):
+    """Training and held-out rows (--eval-fraction: the same rows held out) equal build_rows of the per-row
+    tokenization, on a first run (tokenized now) and a second (from the cache)."""
+    data = write_jsonl(tmp_path / "d.jsonl", mixed_rows())
+    config = TrainConfig(model="m", data=str(data), out="o", seq_len=32, eval_fraction=0.25, pack=pack, batch_size=4,
+                         progress=False, data_cache=str(tmp_path / "cache"))
+    pairs = read_rows(data)
+    order = np.random.default_rng(config.seed).permutation(len(pairs))
+    n_eval = max(1, int(len(pairs) * config.eval_fraction))
+    expected_train, _ = build_rows(tokenize([pairs[i] for i in sorted(order[n_eval:])], tokenizer, 32), 32, pack=pack)
+    expected_eval, _ = build_rows(tokenize([pairs[i] for i in sorted(order[:n_eval])], tokenizer, 32), 32, pack=pack)
+    for run in ("miss", "hit"):
+        train, held_out = load_data(config, tokenizer)
+        for rows, expected in ((train, expected_train), (held_out, expected_eval.padded_to_multiple(4))):
+            taken = rows.take(np.arange(len(rows)))
+            assert len(rows) == len(expected)
+            for name in ("input_ids", "targets", "loss_mask", "segment_ids", "positions"):
+                np.testing.assert_array_equal(taken[name], getattr(expected, name), err_msg=name)
+        summary = capsys.readouterr().err.splitlines()[-1]
+        assert summary.startswith("finetune-lora: data: 40 rows, ")
+        assert f"; cache {run} ({tmp_path / 'cache'}/" in summary
+
+
+def test_the_summary_line(tmp_path, tokenizer, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl",
+                       [{"prompt": f"add {i} + 1 =", "completion": f" {i + 1}"} for i in range(30)])
+    held_out = write_jsonl(tmp_path / "e.jsonl", [{"text": "the quick brown fox"}] * 3)
+    config = TrainConfig(model="m", data=str(data), eval_data=str(held_out), out="o", seq_len=32, batch_size=4,
+                         progress=False, data_cache=str(tmp_path / "cache"))
+    train, evaluation = load_data(config, tokenizer)
+    (line,) = capsys.readouterr().err.splitlines()
+    tokens = sum(len(e.ids) for e in tokenize(read_rows(data), tokenizer))
+    entry = {json.loads((e / "meta.json").read_text())["key"]["data"]["files"][0]["path"]: e
+             for e in (tmp_path / "cache").iterdir() if e.is_dir()}
+    line, seconds = line.rsplit("; ", 1)
+    assert line == (f"finetune-lora: data: 30 rows, layout prompt-completion (prompt, completion); {tokens} tokens -> "
+                    f"{len(train)} packed rows of 32 (+ 1 held out, from 3 rows); 0 truncated, 0 with no targets; "
+                    f"cache miss ({entry[str(data)]}); --eval-data cache miss ({entry[str(held_out)]})")
+    assert re.fullmatch(r"prepared in \d+\.\d s", seconds)
+    assert len(evaluation) == 4  # one row, padded to a whole batch
