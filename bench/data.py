@@ -608,8 +608,8 @@ def report(configs: list[Config], startups: dict[str, list[Measure]], args, n_co
     print()
     print(f"CPU: {cpu_model()}, {n_cores} cores; {args.rounds} round(s), median (min-max) when more than one; "
           f"--seq-len {args.seq_len}")
-    print("CLI s: from `finetune-lora`'s start to its `data:` line (the line carries no seconds of its own: "
-          "start-up and imports are in it); CLI start-up (the same on a warm 64-row file): "
+    print("CLI s: the `prepared in` seconds of `finetune-lora`'s `data:` line (from its start to the line where the "
+          "line has none); CLI start-up (the same on a warm 64-row file): "
           + ", ".join(f"{name} {median_spread([m.seconds for m in ms])} s" for name, ms in startups.items()))
     if load:
         print("load_data s: `finetune.setup.load_data` alone, timed in a process that imported everything first.")

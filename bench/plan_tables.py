@@ -53,17 +53,12 @@ def plan_command(config: Path, mesh: str, batch: int, seq: int, extra: list[str]
             "--seq-len", str(seq), *extra]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="", help="rows whose name contains this text")
-    parser.add_argument("--fraction", default="0.95", help="XLA_CLIENT_MEM_FRACTION the plans are judged at")
-    parser.add_argument("--fit", action="store_true", help="also run the docs' --plan --fit example")
-    args = parser.parse_args()
-    env = {"XLA_CLIENT_MEM_FRACTION": args.fraction}
-    print(f"CPU: {cpu_description()}; XLA_CLIENT_MEM_FRACTION={args.fraction}, --hbm-gb 192", flush=True)
+def plan_table(rows: dict, env: dict, only: str = "") -> None:
+    """Plan each row (name -> plan_command arguments) whose name contains `only` through the CLI, printing each
+    plan, then one markdown table of them all."""
     table = ["| plan | weights | LoRA + AdamW | temporaries | margin | total | verdict |", "|---|---|---|---|---|---|---|"]
-    for name, row in ROWS.items():
-        if args.only not in name:
+    for name, row in rows.items():
+        if only not in name:
             continue
         run = run_cli(plan_command(*row), env=env)
         figures = plan_figures(run.stdout)
@@ -77,6 +72,17 @@ def main() -> None:
                      f"{figures['activations / temporaries']:.1f} GB | {figures['margin']:.1f} GB | "
                      f"{figures['total']:.1f} GB | {verdict} |")
     print("\n".join(table), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="rows whose name contains this text")
+    parser.add_argument("--fraction", default="0.95", help="XLA_CLIENT_MEM_FRACTION the plans are judged at")
+    parser.add_argument("--fit", action="store_true", help="also run the docs' --plan --fit example")
+    args = parser.parse_args()
+    env = {"XLA_CLIENT_MEM_FRACTION": args.fraction}
+    print(f"CPU: {cpu_description()}; XLA_CLIENT_MEM_FRACTION={args.fraction}, --hbm-gb 192", flush=True)
+    plan_table(ROWS, env, args.only)
     if args.fit:
         command = plan_command(*FIT) + ["--fit"]
         run = run_cli(command, env=env)

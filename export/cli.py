@@ -17,6 +17,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default=None, help="adapter directory to write")
     parser.add_argument("--merge", metavar="OUT_DIR", default=None,
                         help="also (or instead) write the base with the adapters folded in, as a HF checkpoint")
+    parser.add_argument("--merge-base", metavar="DIR", default=None,
+                        help="with --merge: the unquantized weights to merge into, for a run on a quantized base "
+                             "(convert-llama --quantize): a converted unquantized checkpoint of the same model, or "
+                             "the HF checkpoint directory (default: the run's base, if unquantized)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard of --merge")
     parser.add_argument("--dtype", default="float32", choices=list(EXPORT_DTYPES),
                         help="dtype of the adapter tensors (PEFT itself saves float32)")
@@ -32,21 +36,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (args.out or args.merge):
         parser.error("give --out ADAPTER_DIR, --merge OUT_DIR, or both")
+    if args.merge_base and not args.merge:
+        parser.error("--merge-base goes with --merge")
     from export.adapter import check_export_targets, export_adapter, export_merged
     from export.merge import parse_size
     from jaxmodel.errors import UserError, report
 
     try:
         shard_size = parse_size(args.max_shard_size)
-        check_export_targets(args.run, args.out, args.merge, overwrite=args.overwrite)  # both, before writing either
+        check_export_targets(args.run, args.out, args.merge, overwrite=args.overwrite,  # both, before writing either
+                             merge_base=args.merge_base)
         if args.out:
             out, step, lora = export_adapter(args.run, args.out, step=args.step, dtype=args.dtype,
                                              base_model=args.base_model, overwrite=args.overwrite)
             print(f"exported the LoRA adapters of step {step} (r={lora.rank}, alpha={lora.alpha:g}) -> {out}")
         if args.merge:
             merged, step = export_merged(args.run, args.merge, step=args.step, max_shard_size=shard_size,
-                                         overwrite=args.overwrite)
-            print(f"merged the LoRA adapters of step {step} into the run's base -> {merged}")
+                                         overwrite=args.overwrite, merge_base=args.merge_base)
+            into = f"--merge-base {args.merge_base}" if args.merge_base else "the run's base"
+            print(f"merged the LoRA adapters of step {step} into {into} -> {merged}")
     except UserError as e:
         return report("export-peft", e)
     return 0

@@ -2,11 +2,17 @@
 + `model.safetensors.index.json` + config and tokenizer files, that `LlamaForCausalLM.from_pretrained` loads.
 
 Streams like the converter: the shard layout is planned from shapes, then each tensor is read from the
-converted checkpoint (memory-mapped), merged if adapted, and written at its offset, one at a time.
+base (memory-mapped, or in bounded chunks), merged if adapted, and written at its offset, one at a time.
+
+The base is unquantized weights: the converted checkpoint a run trained on, or, for a run on a quantized
+base (`convert-llama --quantize`), the weights it was quantized from (`--merge-base`: a converted unquantized
+checkpoint or the HF checkpoint directory). Folding adapters into dequantized 4- or 8-bit weights would
+bake the quantization error into every merged weight.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -17,15 +23,16 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from jaxmodel.errors import UsageError
+from jaxmodel.config import LlamaConfig
+from jaxmodel.errors import UsageError, UserError
 from jaxmodel.formats.atomic import atomic_directory
-from jaxmodel.formats.checkpoint import DTYPES_BY_NAME, open_tensor, read_manifest
-from jaxmodel.formats.hf_checkpoint import AUX_FILES
-from jaxmodel.formats.hf_names import is_stacked, jax_to_hf
+from jaxmodel.formats.checkpoint import (DTYPES_BY_NAME, MANIFEST, checkpoint_quantization, open_tensor, param_specs,
+                                        read_manifest)
+from jaxmodel.formats.hf_checkpoint import AUX_FILES, close_file, iter_chunks, list_tensors, open_file
+from jaxmodel.formats.hf_names import IGNORED, hf_to_jax, is_stacked, jax_to_hf
 from jaxmodel.formats.io import pwrite_all
 from jaxmodel.formats.safetensors_file import write_header
 from jaxmodel.lora import LoraConfig
-
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)B?", re.IGNORECASE)
 
 
@@ -37,64 +44,178 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * 1000 ** " KMGT".index(match.group(2).upper() or " "))
 
 
-def save_merged(out: str | Path, converted_dir: str | Path, lora: nnx.State, lora_config: LoraConfig, *,
+class MergeBaseError(ValueError, UserError):
+    """Base weights a merge cannot use; the message names the directory and what is wrong."""
+
+
+# Config fields that fix the shapes of the weights: a merge base must agree with the run's base on each.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias", "mlp_bias")
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseTensor:
+    """One HF tensor of the base: its HF name, the JAX parameter and layer it is, dtype and shape."""
+
+    name: str
+    path: str
+    layer: int | None
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+
+class MergeBase:
+    """The unquantized weights a merge folds adapters into, tensor by tensor, in HF order: a converted checkpoint
+    (read through its manifest) or a HF checkpoint directory (read from its safetensors or `.bin` files)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.config = LlamaConfig.from_hf(self.directory)
+        self.converted = (self.directory / MANIFEST).is_file()
+        self._handles: dict[Path, object] = {}
+        if self.converted:
+            manifest = read_manifest(self.directory)
+            quantization = checkpoint_quantization(manifest, self.directory / MANIFEST)
+            if quantization is not None:
+                raise MergeBaseError(f"{self.directory}: quantized {quantization.scheme} (block {quantization.block}): "
+                                     "a merge needs unquantized weights")
+            self._manifest = manifest["tensors"]
+            tensors = []
+            for path, entry in self._manifest.items():
+                dtype = DTYPES_BY_NAME[entry["dtype"]]
+                if is_stacked(path):
+                    tensors += [BaseTensor(jax_to_hf(path, i), path, i, dtype, tuple(entry["shape"][1:]))
+                                for i in range(entry["shape"][0])]
+                else:
+                    tensors.append(BaseTensor(jax_to_hf(path), path, None, dtype, tuple(entry["shape"])))
+        else:
+            self._kind, found = list_tensors(self.directory)
+            self._sources = {t.name: t for t in found}
+            tensors = self._hf_tensors(found)
+        self.tensors = sorted(tensors, key=lambda t: _hf_order(t.name))
+
+    def _hf_tensors(self, found) -> list[BaseTensor]:
+        """The HF checkpoint's tensors checked against its config.json, as the converter checks them."""
+        expected = param_specs(self.config)
+        tensors, seen = [], set()
+        for t in found:
+            mapped = hf_to_jax(t.name)
+            if mapped is None:
+                if IGNORED.fullmatch(t.name):
+                    continue
+                raise MergeBaseError(f"{t.file}: unexpected tensor '{t.name}' (not part of a Llama checkpoint)")
+            path, layer = mapped
+            if path not in expected:
+                if path == "lm_head.weight" and self.config.tie_word_embeddings:
+                    continue  # a tied checkpoint that also stores the head: the merge writes the embedding only
+                raise MergeBaseError(f"{t.file}: tensor '{t.name}' does not belong to the model config.json describes")
+            shape = expected[path][0][1:] if layer is not None else expected[path][0]
+            if layer is not None and layer >= expected[path][0][0] or tuple(t.shape) != tuple(shape):
+                raise MergeBaseError(f"{t.file}: tensor '{t.name}' has shape {list(t.shape)}, config.json implies "
+                                     f"{list(shape)}")
+            tensors.append(BaseTensor(t.name, path, layer, np.dtype(t.dtype), tuple(t.shape)))
+            seen.add(t.name)
+        for path, (shape, _) in expected.items():
+            for layer in (range(shape[0]) if is_stacked(path) else [None]):
+                if jax_to_hf(path, layer) not in seen:
+                    raise MergeBaseError(f"{self.directory}: missing tensor '{jax_to_hf(path, layer)}', which "
+                                         "config.json implies")
+        return tensors
+
+    def check_matches(self, config: LlamaConfig, what: str) -> None:
+        """MergeBaseError unless this base has the shapes of `config` (`what` names where that comes from)."""
+        for field in SHAPE_FIELDS:
+            ours, theirs = getattr(self.config, field), getattr(config, field)
+            if ours != theirs:
+                raise MergeBaseError(f"{self.directory / 'config.json'}: {field} is {ours}, {what} has {theirs}: "
+                                     "not the weights of that model")
+
+    def read(self, tensor: BaseTensor) -> np.ndarray:
+        """The tensor's values as stored (its own dtype)."""
+        if self.converted:
+            stored = open_tensor(self.directory, tensor.path, self._manifest[tensor.path])
+            return np.asarray(stored[tensor.layer] if tensor.layer is not None else stored)
+        source = self._sources[tensor.name]
+        if source.file not in self._handles:
+            self._handles[source.file] = open_file(source.file, self._kind)
+        values = np.empty(math.prod(source.shape), source.dtype)
+        done = 0
+        for chunk in iter_chunks(source, self._handles[source.file]):
+            values[done:done + chunk.size] = chunk
+            done += chunk.size
+        return values.reshape(source.shape)
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            close_file(handle)
+        self._handles.clear()
+
+
+def merge_base_for(base_model: str | Path, merge_base: str | Path | None) -> MergeBase:
+    """The weights a merge of a run on `base_model` folds into: `merge_base` (checked to be the same model), or
+    `base_model` itself, which must then be unquantized; one-line errors otherwise."""
+    manifest = read_manifest(base_model)
+    quantization = checkpoint_quantization(manifest, Path(base_model) / MANIFEST)
+    if merge_base is None:
+        if quantization is not None:
+            raise UsageError(f"--merge: the run's base {base_model} is quantized {quantization.scheme} (block "
+                             f"{quantization.block}); merging needs its unquantized weights: add --merge-base DIR "
+                             "(a converted unquantized checkpoint, or the HF checkpoint it was converted from)")
+        return MergeBase(base_model)
+    base = MergeBase(merge_base)
+    base.check_matches(LlamaConfig.from_hf(base_model), f"the run's base ({base_model})")
+    return base
+
+
+def save_merged(out: str | Path, base: str | Path | MergeBase, lora: nnx.State, lora_config: LoraConfig, *,
                 max_shard_size: int = 5 * 10**9) -> Path:
-    """Write the merged model to `out` (atomically); returns `out`."""
-    converted_dir, out = Path(converted_dir), Path(out)
-    manifest = read_manifest(converted_dir)["tensors"]
+    """Write `base` (a MergeBase, or the directory of one) with the adapters folded in to `out` (atomically);
+    returns `out`. The merged tensors keep the base's names, dtypes and HF order."""
+    out = Path(out)
+    base = base if isinstance(base, MergeBase) else MergeBase(base)
     adapters = {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(lora)}
-    # Every HF tensor: (name, JAX path, layer), in the order HF checkpoints list them.
-    tensors = []
-    for path, entry in manifest.items():
-        layers = range(entry["shape"][0]) if is_stacked(path) else [None]
-        tensors += [(jax_to_hf(path, layer), path, layer) for layer in layers]
-    tensors.sort(key=lambda t: _hf_order(t[0]))
-    shards: list[list[tuple[str, str, int | None]]] = [[]]
+    shards: list[list[BaseTensor]] = [[]]
     size = 0
-    for item in tensors:
-        entry = manifest[item[1]]
-        nbytes = math.prod(entry["shape"][1:] if item[2] is not None else entry["shape"]) * \
-            DTYPES_BY_NAME[entry["dtype"]].itemsize
+    for tensor in base.tensors:
+        nbytes = math.prod(tensor.shape) * tensor.dtype.itemsize
         if shards[-1] and size + nbytes > max_shard_size:
             shards.append([])
             size = 0
-        shards[-1].append(item)
+        shards[-1].append(tensor)
         size += nbytes
 
-    with atomic_directory(out, "merging") as tmp:
-        weight_map, total = {}, 0
-        for number, shard in enumerate(shards, 1):
-            file = "model.safetensors" if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-            total += _write_shard(tmp / file, shard, converted_dir, manifest, adapters, lora_config.scale)
-            weight_map.update({name: file for name, _, _ in shard})
-        if len(shards) > 1:
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(
-                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
-        for name in AUX_FILES:
-            if (converted_dir / name).is_file():
-                shutil.copyfile(converted_dir / name, tmp / name)
+    try:
+        with atomic_directory(out, "merging") as tmp:
+            weight_map, total = {}, 0
+            for number, shard in enumerate(shards, 1):
+                file = "model.safetensors" if len(shards) == 1 else \
+                    f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+                total += _write_shard(tmp / file, shard, base, adapters, lora_config.scale)
+                weight_map.update({t.name: file for t in shard})
+            if len(shards) > 1:
+                (tmp / "model.safetensors.index.json").write_text(json.dumps(
+                    {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+            for name in AUX_FILES:
+                if (base.directory / name).is_file():
+                    shutil.copyfile(base.directory / name, tmp / name)
+    finally:
+        base.close()
     return out
 
 
-def _write_shard(file: Path, shard, converted_dir: Path, manifest, adapters, scale: float) -> int:
-    specs = []
-    for name, path, layer in shard:
-        entry = manifest[path]
-        shape = tuple(entry["shape"][1:] if layer is not None else entry["shape"])
-        specs.append((name, DTYPES_BY_NAME[entry["dtype"]], shape))
+def _write_shard(file: Path, shard: list[BaseTensor], base: MergeBase, adapters, scale: float) -> int:
     fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        locations = write_header(fd, specs, {"format": "pt"})
-        for name, path, layer in shard:
-            stored = open_tensor(converted_dir, path, manifest[path])
-            weight = np.asarray(stored[layer] if layer is not None else stored)
-            module = path.rsplit(".", 1)[0]
-            if path.endswith(".weight") and module + ".lora_a" in adapters:
+        locations = write_header(fd, [(t.name, t.dtype, t.shape) for t in shard], {"format": "pt"})
+        for tensor in shard:
+            weight = base.read(tensor)
+            module = tensor.path.rsplit(".", 1)[0]
+            if tensor.path.endswith(".weight") and module + ".lora_a" in adapters:
                 a, b = adapters[module + ".lora_a"], adapters[module + ".lora_b"]
-                a, b = (a[layer], b[layer]) if layer is not None else (a, b)
+                a, b = (a[tensor.layer], b[tensor.layer]) if tensor.layer is not None else (a, b)
                 merged = weight.astype(np.float32) + scale * (a.astype(np.float32) @ b.astype(np.float32)).T
                 weight = merged.astype(weight.dtype)
-            pwrite_all(fd, np.ascontiguousarray(weight).view(np.uint8).reshape(-1), locations[name].offset)
+            pwrite_all(fd, np.ascontiguousarray(weight).view(np.uint8).reshape(-1), locations[tensor.name].offset)
         os.fsync(fd)
         return sum(loc.nbytes for loc in locations.values())
     finally:

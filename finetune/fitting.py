@@ -23,7 +23,8 @@ from finetune.allocator import usable_memory
 from jaxmodel.sharding import MESH_AXES
 
 # Options that describe the plan, not the run: left out of the command line --fit prints.
-PLAN_ONLY = ("plan", "fit", "model_config", "hbm_gb", "show_sharding")
+# A quantized base is a property of the converted checkpoint a run trains on, never an option of the run.
+PLAN_ONLY = ("plan", "fit", "model_config", "hbm_gb", "show_sharding", "quantize", "quant_block")
 
 
 @dataclasses.dataclass
@@ -90,7 +91,8 @@ def command_line(config: TrainConfig) -> str:
     """The `finetune-lora` command that runs `config`, with the allocator variables it was planned with."""
     env = usable_memory().settings(os.environ)
     words = [f"{name}={value}" for name, value in env.items()] + ["finetune-lora"]
-    placeholders = {"model": "CONVERTED_DIR", "data": "DATA.jsonl", "out": "RUN_DIR"}
+    converted = "CONVERTED_DIR" if config.quantize == "none" else f"{config.quantize.upper()}_CONVERTED_DIR"
+    placeholders = {"model": converted, "data": "DATA.jsonl", "out": "RUN_DIR"}
     for field in dataclasses.fields(TrainConfig):
         value = getattr(config, field.name)
         if field.name in PLAN_ONLY or (value == field.default and field.name not in placeholders):

@@ -4,6 +4,10 @@ Builds the model with LoRA from abstract shapes only (no weights), lays every pa
 and batch onto the mesh exactly as a run does, lowers and compiles the same jit train step for the mesh's
 devices (simulated CPU devices work), and reports the compiler's per-device memory, plus a margin measured
 against real runs, against the part of `--hbm-gb` that JAX's allocator will let the run use.
+
+A quantized base (`jaxmodel.quantization`) is planned as it would be trained: with the quantization a converted
+`--model` records, or, from a config alone, the one `--quantize` names; its frozen weights are then the codes
+and scales of the projections.
 """
 
 from __future__ import annotations
@@ -19,15 +23,18 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from finetune.config import TrainConfig
+from finetune.config import ConfigFileError, TrainConfig
 from finetune.memory import per_device_bytes, sharding_table
 from finetune.mesh import make_mesh
-from finetune.setup import check_batch_split, check_rank, check_seq_len
+from finetune.setup import check_batch_split, check_rank, check_seq_len, layer_shapes
 from finetune.step import BATCH_KEYS, DTYPES, TrainState, jit_steps, make_optimizer, optimizer_shardings, split_model
 from finetune.allocator import FRACTION, UsableMemory, fraction_to_fit, usable_memory
 from jaxmodel.config import LlamaConfig
+from jaxmodel.formats.checkpoint import MANIFEST, checkpoint_quantization, read_manifest
+from jaxmodel.layers import QuantizedParam
 from jaxmodel.lora import apply_lora
 from jaxmodel.model import LlamaForCausalLM
+from jaxmodel.quantization import Quantization
 from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, named_sharding
 
 GB = 1e9
@@ -48,6 +55,8 @@ class PlanReport:
     hbm: float  # bytes of one device
     usable: UsableMemory
     lines: list[str]
+    frozen_parameters: int = 0  # of the unquantized model: a quantized projection counts its weight's values
+    quantization: Quantization | None = None
 
     @property
     def margin(self) -> float:
@@ -102,6 +111,36 @@ def _param_dtype(config: TrainConfig, raw: dict):
     return DTYPES.get(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16", jnp.bfloat16)
 
 
+def plan_quantization(config: TrainConfig) -> tuple[Quantization | None, str]:
+    """The quantization the planned base has, and where it comes from: a converted `--model` records its own
+    (`--quantize`, if given, must agree); a config alone takes `--quantize`."""
+    try:
+        asked = None if config.quantize == "none" else Quantization(config.quantize, config.quant_block)
+    except ValueError as e:
+        raise ConfigFileError(f"--quant-block {config.quant_block}: {e}") from None
+    if config.model_config or not (Path(config.model) / MANIFEST).is_file():
+        return asked, "--quantize"
+    stored = checkpoint_quantization(read_manifest(config.model), Path(config.model) / MANIFEST)
+    if asked is not None and (stored is None or stored.scheme != asked.scheme):
+        holds = "holds unquantized weights" if stored is None else \
+            f"is quantized {stored.scheme} (block {stored.block})"
+        raise ConfigFileError(f"--quantize {config.quantize}: {config.model} {holds}; a plan of a converted "
+                              "checkpoint takes its quantization (leave --quantize out, or plan --model-config with "
+                              "--quantize)")
+    return stored, "from the checkpoint"
+
+
+def frozen_parameter_count(base, quantization: Quantization | None) -> int:
+    """Values of the frozen weights, a quantized projection counted by its weight's values, not its codes."""
+    count = 0
+    for path, var in nnx.to_flat_state(base):
+        if not isinstance(var, QuantizedParam):
+            count += math.prod(var.shape)
+        elif path[-1] == "scales":  # one scale per block of `block` values
+            count += math.prod(var.shape) * quantization.block
+    return count
+
+
 def _abstract_on(tree, mesh, rules):
     def lay(var):
         sharding = named_sharding(var.get_metadata()["axes"], var.shape, mesh, rules)
@@ -121,22 +160,38 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
     check_seq_len(config, llama, mesh)
     check_rank(config, llama)
     check_batch_split(config, mesh, DEFAULT_RULES)
+    quantization, quantization_source = plan_quantization(config)
+    if quantization is not None:
+        for name, (in_features, out_features) in layer_shapes(llama).items():
+            try:
+                if name != "lm_head":  # never quantized
+                    quantization.shapes((out_features, in_features))
+            except ValueError as e:  # the block does not divide this projection's input dimension
+                raise ConfigFileError(f"--quantize {quantization.scheme}: {e} of {name} ({source}); "
+                                      "convert-llama --quant-block sets the block") from None
     dtype, param_dtype = DTYPES[config.dtype], _param_dtype(config, raw)
     backend, itemsize = jax.default_backend(), jnp.dtype(dtype).itemsize
     cpu_16bit = backend == "cpu" and itemsize < 4
     start = time.perf_counter()
-    compiled, trees = _compile(config, llama, mesh, dtype, param_dtype, lower=cpu_bf16_figure or not cpu_16bit)
-    lines = [f"model: {source} ({sum(math.prod(x.shape) for x in jax.tree.leaves(trees['base'])) / 1e9:.1f}B frozen "
-             f"parameters, {sum(math.prod(x.shape) for x in jax.tree.leaves(trees['lora'])) / 1e6:.1f}M LoRA parameters)",
-             f"batch {config.batch_size} x seq {config.seq_len}, grad accumulation {config.grad_accum}, "
-             f"dtype {config.dtype}, remat {config.remat}, attention {config.attention_impl(mesh.shape['cp'])}, "
-             f"loss chunk {config.loss_chunk or 'none'}, MLP chunk {config.mlp_chunk or 'none'}"]
+    compiled, trees = _compile(config, llama, mesh, dtype, param_dtype, quantization,
+                               lower=cpu_bf16_figure or not cpu_16bit)
+    frozen = frozen_parameter_count(trees["base"], quantization)
+    lines = [f"model: {source} ({frozen / 1e9:.1f}B frozen parameters, "
+             f"{sum(math.prod(x.shape) for x in jax.tree.leaves(trees['lora'])) / 1e6:.1f}M LoRA parameters)"]
+    if quantization is not None:
+        lines.append(f"frozen projections {quantization.scheme} in blocks of {quantization.block} "
+                     f"({quantization_source}): codes and float32 scales, dequantized layer by layer")
+    lines += [f"batch {config.batch_size} x seq {config.seq_len}, grad accumulation {config.grad_accum}, "
+              f"dtype {config.dtype}, remat {config.remat}, attention {config.attention_impl(mesh.shape['cp'])}, "
+              f"loss chunk {config.loss_chunk or 'none'}, MLP chunk {config.mlp_chunk or 'none'}"]
     if cpu_16bit:
         # The CPU compiler turns 16-bit matmuls into float32 ones and hoists float32 copies of the weights,
         # so its temporaries for a bf16 step say little about an accelerator. Every temporary of the step
         # (activations, gathered layer weights) is in the compute dtype, so the same step compiled in
-        # float32 and scaled by the dtype's size is the estimate used.
-        f32, _ = _compile(config, llama, mesh, jnp.float32, jnp.float32)
+        # float32 and scaled by the dtype's size is the estimate used. (A quantized layer's gathered codes are
+        # not in the compute dtype and count at half their size: a quarter of a byte per value, beside the
+        # dequantized layer's two.)
+        f32, _ = _compile(config, llama, mesh, jnp.float32, jnp.float32, quantization)
         temp = float(f32.memory_analysis().temp_size_in_bytes) * itemsize / 4
         if compiled is not None:
             lines.append(f"CPU compiler's own temporaries for the {config.dtype} step: "
@@ -150,17 +205,18 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
                       lora_and_optimizer=per_device_bytes(trees["lora"]) + per_device_bytes(trees["opt_state"]),
                       batch=per_device_bytes(trees["batch"]), temp=temp,
                       compile_seconds=time.perf_counter() - start, hbm=config.hbm_gb * GB, usable=usable,
-                      lines=lines)
+                      lines=lines, frozen_parameters=frozen, quantization=quantization)
 
 
-def _compile(config: TrainConfig, llama: LlamaConfig, mesh, dtype, param_dtype, lower: bool = True):
+def _compile(config: TrainConfig, llama: LlamaConfig, mesh, dtype, param_dtype,
+             quantization: Quantization | None = None, lower: bool = True):
     """The run's jit train step, lowered and compiled from abstract, sharded inputs (None unless `lower`), and
     those inputs."""
     with jax.set_mesh(mesh):
         def build():
             model = LlamaForCausalLM(llama, dtype=dtype, param_dtype=param_dtype, remat=config.remat,
                                      attention=config.attention_impl(mesh.shape["cp"]), mlp_chunk=config.mlp_chunk,
-                                     rules=DEFAULT_RULES, rngs=nnx.Rngs(0))
+                                     rules=DEFAULT_RULES, quantization=quantization, rngs=nnx.Rngs(0))
             return apply_lora(model, config.lora_config(), rngs=nnx.Rngs(0))
 
         graphdef, lora, base = split_model(nnx.eval_shape(build))
