@@ -17,11 +17,11 @@ import numpy as np
 
 from converter.errors import ConversionError, ConversionUsageError
 from converter.hub import resolve_source
-from jaxmodel.formats.hf_names import IGNORED, hf_to_jax, is_stacked, jax_to_hf
+from jaxmodel.formats.hf_names import is_stacked, jax_to_hf
 from jaxmodel.formats.hf_checkpoint import (AUX_FILES, HFCheckpointError, SourceTensor, close_file, iter_chunks,
                                             list_tensors, open_file)
 from jaxmodel.formats.atomic import atomic_directory
-from jaxmodel.formats.checkpoint import CheckpointError, param_specs, verify_checkpoint
+from jaxmodel.formats.checkpoint import CheckpointError, hf_tensors_by_param, param_specs, verify_checkpoint
 from jaxmodel.formats.checkpoint_writer import CheckpointWriter
 from jaxmodel.formats.io import read_json
 from jaxmodel.formats.markers import CONVERTED_CHECKPOINT, directory_kind
@@ -131,39 +131,10 @@ class _Plan:
 def _plan(config: LlamaConfig, tensors: list[SourceTensor], source_dir: Path, dtype: np.dtype | None,
           quantization: Quantization | None = None) -> _Plan:
     expected = param_specs(config)
-    by_path: dict[str, dict[int, SourceTensor]] = {}
-    sources: dict[str, tuple[str, int]] = {}
-    for t in tensors:
-        mapped = hf_to_jax(t.name)
-        if mapped is None:
-            if IGNORED.fullmatch(t.name):
-                continue
-            raise ConversionError(f"{t.file}: unexpected tensor '{t.name}' (not part of a Llama checkpoint)")
-        path, layer = mapped
-        if path not in expected:
-            if path == "lm_head.weight" and config.tie_word_embeddings:
-                continue  # a tied checkpoint that also stores the head: the embedding is the head
-            raise ConversionError(f"{t.file}: tensor '{t.name}' does not belong to the model config.json describes")
-        shape, _ = expected[path]
-        slice_shape = shape[1:] if layer is not None else shape
-        if layer is not None and layer >= shape[0]:
-            raise ConversionError(f"{t.file}: tensor '{t.name}' is beyond num_hidden_layers={shape[0]}")
-        if tuple(t.shape) != tuple(slice_shape):
-            raise ConversionError(
-                f"{t.file}: tensor '{t.name}' has shape {list(t.shape)}, config.json implies {list(slice_shape)}"
-            )
-        by_path.setdefault(path, {})[layer or 0] = t
-        sources[t.name] = (path, layer or 0)
-    specs = {}
-    for path, (shape, _) in expected.items():
-        stacked = is_stacked(path)
-        have = by_path.get(path, {})
-        for index in range(shape[0] if stacked else 1):
-            if index not in have:
-                name = jax_to_hf(path, index if stacked else None)
-                raise ConversionError(f"{source_dir}: missing tensor '{name}', which config.json implies")
-        first = have[0].dtype
-        specs[path] = (shape, dtype if dtype is not None else first, stacked)
+    by_path = hf_tensors_by_param(config, tensors, source_dir, ConversionError)
+    sources = {t.name: (path, layer) for path, layers in by_path.items() for layer, t in layers.items()}
+    specs = {path: (shape, dtype if dtype is not None else by_path[path][0].dtype, is_stacked(path))
+             for path, (shape, _) in expected.items()}
     if quantization is None:
         return _Plan(specs, sources)
     quantized = _quantized_paths(config, expected, quantization, source_dir)

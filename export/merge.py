@@ -26,10 +26,10 @@ from flax import nnx
 from jaxmodel.config import LlamaConfig
 from jaxmodel.errors import UsageError, UserError
 from jaxmodel.formats.atomic import atomic_directory
-from jaxmodel.formats.checkpoint import (DTYPES_BY_NAME, MANIFEST, checkpoint_quantization, open_tensor, param_specs,
-                                        read_manifest)
+from jaxmodel.formats.checkpoint import (DTYPES_BY_NAME, MANIFEST, checkpoint_quantization, hf_tensors_by_param,
+                                        open_tensor, read_manifest)
 from jaxmodel.formats.hf_checkpoint import AUX_FILES, close_file, iter_chunks, list_tensors, open_file
-from jaxmodel.formats.hf_names import IGNORED, hf_to_jax, is_stacked, jax_to_hf
+from jaxmodel.formats.hf_names import is_stacked, jax_to_hf
 from jaxmodel.formats.io import pwrite_all
 from jaxmodel.formats.safetensors_file import write_header
 from jaxmodel.lora import LoraConfig
@@ -96,30 +96,9 @@ class MergeBase:
 
     def _hf_tensors(self, found) -> list[BaseTensor]:
         """The HF checkpoint's tensors checked against its config.json, as the converter checks them."""
-        expected = param_specs(self.config)
-        tensors, seen = [], set()
-        for t in found:
-            mapped = hf_to_jax(t.name)
-            if mapped is None:
-                if IGNORED.fullmatch(t.name):
-                    continue
-                raise MergeBaseError(f"{t.file}: unexpected tensor '{t.name}' (not part of a Llama checkpoint)")
-            path, layer = mapped
-            if path not in expected:
-                if path == "lm_head.weight" and self.config.tie_word_embeddings:
-                    continue  # a tied checkpoint that also stores the head: the merge writes the embedding only
-                raise MergeBaseError(f"{t.file}: tensor '{t.name}' does not belong to the model config.json describes")
-            shape = expected[path][0][1:] if layer is not None else expected[path][0]
-            if layer is not None and layer >= expected[path][0][0] or tuple(t.shape) != tuple(shape):
-                raise MergeBaseError(f"{t.file}: tensor '{t.name}' has shape {list(t.shape)}, config.json implies "
-                                     f"{list(shape)}")
-            tensors.append(BaseTensor(t.name, path, layer, np.dtype(t.dtype), tuple(t.shape)))
-            seen.add(t.name)
-        for path, (shape, _) in expected.items():
-            for layer in (range(shape[0]) if is_stacked(path) else [None]):
-                if jax_to_hf(path, layer) not in seen:
-                    raise MergeBaseError(f"{self.directory}: missing tensor '{jax_to_hf(path, layer)}', which "
-                                         "config.json implies")
+        by_path = hf_tensors_by_param(self.config, found, self.directory, MergeBaseError)
+        tensors = [BaseTensor(t.name, path, layer if is_stacked(path) else None, np.dtype(t.dtype), tuple(t.shape))
+                   for path, layers in by_path.items() for layer, t in layers.items()]
         return tensors
 
     def check_matches(self, config: LlamaConfig, what: str) -> None:

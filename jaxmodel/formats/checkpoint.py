@@ -55,6 +55,41 @@ def param_specs(config: LlamaConfig, param_dtype=jnp.float32,
     }
 
 
+def hf_tensors_by_param(config: LlamaConfig, tensors, source_dir: Path, error: type[Exception]) -> dict[str, dict]:
+    """An HF checkpoint's tensors (`hf_checkpoint.SourceTensor`s) by NNX path and layer (0 for an unstacked
+    parameter), checked against `config`: every tensor a parameter of its shape (known extras such as rotary
+    caches skipped, a tied model's stored head dropped) and every parameter present; `error(message)` else."""
+    from jaxmodel.formats.hf_names import IGNORED, hf_to_jax, is_stacked, jax_to_hf
+
+    expected = param_specs(config)
+    by_path: dict[str, dict] = {}
+    for t in tensors:
+        mapped = hf_to_jax(t.name)
+        if mapped is None:
+            if IGNORED.fullmatch(t.name):
+                continue
+            raise error(f"{t.file}: unexpected tensor '{t.name}' (not part of a Llama checkpoint)")
+        path, layer = mapped
+        if path not in expected:
+            if path == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # a tied checkpoint that also stores the head: the embedding is the head
+            raise error(f"{t.file}: tensor '{t.name}' does not belong to the model config.json describes")
+        shape, _ = expected[path]
+        slice_shape = shape[1:] if layer is not None else shape
+        if layer is not None and layer >= shape[0]:
+            raise error(f"{t.file}: tensor '{t.name}' is beyond num_hidden_layers={shape[0]}")
+        if tuple(t.shape) != tuple(slice_shape):
+            raise error(f"{t.file}: tensor '{t.name}' has shape {list(t.shape)}, config.json implies {list(slice_shape)}")
+        by_path.setdefault(path, {})[layer or 0] = t
+    for path, (shape, _) in expected.items():
+        stacked = is_stacked(path)
+        for index in range(shape[0] if stacked else 1):
+            if index not in by_path.get(path, {}):
+                name = jax_to_hf(path, index if stacked else None)
+                raise error(f"{source_dir}: missing tensor '{name}', which config.json implies")
+    return by_path
+
+
 def file_for(path: str) -> str:
     return f"params/{path}.safetensors"
 
