@@ -11,7 +11,6 @@ from flax import nnx
 
 from converter import convert
 from finetune.cli import main
-from finetune.config import TrainConfig
 from finetune.data import row_indices
 from finetune.run_dir import load_run
 from finetune.setup import setup
@@ -22,6 +21,7 @@ from jaxmodel.formats.peft_adapter import save_peft_adapter
 from jaxmodel.layers import LoRAParam, QuantizedParam
 from jaxmodel.lora import LoraConfig, apply_lora
 from jaxmodel.quantization import Quantization
+from test_finetune import config, flat  # the same run settings as the bf16 equalities
 
 
 @pytest.fixture(scope="module")
@@ -39,18 +39,6 @@ def data_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
-
-
-def config(model, data_file, out, **kw) -> TrainConfig:
-    values = {"model": str(model), "data": str(data_file), "out": str(out), "mesh": "dp=1,fsdp=-1,mp=1",
-              "steps": 6, "batch_size": 8, "seq_len": 32, "dtype": "float32", "lr": 3e-3, "progress": False,
-              "checkpoint_every": 100}
-    values.update(kw)
-    return TrainConfig(**values).validate()
-
-
-def flat(state) -> dict[str, np.ndarray]:
-    return {".".join(map(str, k)): np.asarray(jax.device_get(v[...])) for k, v in nnx.to_flat_state(state)}
 
 
 def quantized_names(model) -> set[str]:
