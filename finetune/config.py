@@ -53,7 +53,7 @@ class TrainConfig:
     data_subset: str | None = option(None, "subset (configuration) of a dataset id given as --data")
     data_cache: str | None = option(None, "directory of tokenized-data caches, reused by reruns, resumes and other "
                                           "runs (default: $XDG_CACHE_HOME/llama-jax/data or ~/.cache/llama-jax/data)")
-    data_workers: int = option(0, "processes that tokenize the data (0: one per CPU core)")
+    data_workers: int = option(0, "processes that tokenize the data (0: one per CPU core, at most one per 20,000 rows)")
     out: str | None = option(None, "run directory: checkpoints, metrics.jsonl, TensorBoard events")
     eval_data: str | None = option(None, "evaluation data file (same formats as --data)")
     eval_split: str = option("test", "split of a dataset id given as --eval-data (its subset: --data-subset)")

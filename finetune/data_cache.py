@@ -3,12 +3,19 @@ reruns, resumes and other runs on the same data.
 
 The key hashes the data's fingerprint (each file's path, size and mtime, or a cached dataset's fingerprint),
 what decides how the tokenizer tokenizes (its whole serialized pipeline: vocabulary, merges, added and special
-tokens, normalizer, pre-tokenizer; its chat template; BOS and EOS; whether special tokens are split), the
+tokens, normalizer, pre-tokenizer; or, for a tokenizer loaded unchanged from a directory, that directory's
+files and the library versions; its chat template; BOS and EOS; whether special tokens are split), the
 row layout, the sequence length (a long row is tokenized only as far as it needs) and CACHE_VERSION. An entry
 is built in a temporary sibling directory and renamed into place with its `meta.json` written last, so a
 half-written entry is never used; the temporaries of a build that was killed are removed by the next build of
 that key. An exclusive lock (`flock` on `KEY.lock`) per key makes processes sharing the directory build an
 entry once: the others wait, then reuse it.
+
+Each entry also holds `digest.json`: a sha256 of its tokens (example boundaries, ids, training targets), the same
+for the same tokens however they were built (any number of workers, any cache directory, any path or mtime of
+the data), so a resumed run can tell whether it would train on the examples it started with. It is computed
+once, as the entry is built (its files still in the page cache), or at the first use of an entry built without
+it, under the entry's lock.
 """
 
 from __future__ import annotations
@@ -22,12 +29,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from finetune.data import DataError
 from finetune.tokenization import STORE_VERSION, TokenizedData, default_workers, tokenize_to_store
 from jaxmodel.formats.atomic import atomic_directory
 
 # Raised whenever what a stored entry holds for the same key would differ (tokenization or store format).
 CACHE_VERSION = 1
+DIGEST_FILE = "digest.json"
+# Bytes of an array hashed at a time: the memory-mapped store is read in pieces, never whole.
+HASH_CHUNK_BYTES = 1 << 24
 
 
 def cache_root(option: str | None = None) -> Path:
@@ -44,21 +56,58 @@ def tokenizer_digest(tokenizer) -> str:
     if backend is None:
         raise TypeError(f"caching tokenized data needs a fast tokenizer, got {type(tokenizer).__name__}")
     digest = hashlib.sha256(backend.to_str().encode())
-    digest.update(json.dumps({"chat_template": getattr(tokenizer, "chat_template", None),
-                              "bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id,
-                              "split_special_tokens": bool(getattr(tokenizer, "split_special_tokens", False))},
-                             sort_keys=True, default=str).encode())
+    digest.update(_settings(tokenizer))
     return digest.hexdigest()
 
 
-def cache_key(data: dict[str, Any], tokenizer, layout: str, seq_len: int | None) -> dict[str, Any]:
-    """The parts of an entry's key (JSON-able; stored in its meta.json)."""
-    return {"data": data, "tokenizer": tokenizer_digest(tokenizer), "layout": layout, "seq_len": seq_len,
-            "cache_version": CACHE_VERSION, "store_version": STORE_VERSION}
+def loaded_tokenizer_digest(directory: str | Path, tokenizer) -> str:
+    """The digest of `tokenizer` as `AutoTokenizer.from_pretrained(directory)` loaded it, nothing changed since:
+    sha256 of the regular files at the top of `directory` (names and contents: a converted checkpoint keeps its
+    weights in a subdirectory), the versions of transformers and tokenizers that built the tokenizer from them,
+    and the settings `tokenizer_digest` adds. Serializing Llama 3's tokenizer for `tokenizer_digest` takes
+    0.2 s, more than a whole warm start otherwise; its files hash in a hundredth of that."""
+    import tokenizers
+    import transformers
+
+    digest = hashlib.sha256(f"transformers {transformers.__version__} tokenizers {tokenizers.__version__}\n".encode())
+    for path in sorted(p for p in Path(directory).iterdir() if p.is_file()):
+        content = path.read_bytes()
+        digest.update(f"{path.name} {len(content)}\n".encode())
+        digest.update(content)
+    digest.update(_settings(tokenizer))
+    return f"files:{digest.hexdigest()}"
+
+
+def _settings(tokenizer) -> bytes:
+    return json.dumps({"chat_template": getattr(tokenizer, "chat_template", None),
+                       "bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id,
+                       "split_special_tokens": bool(getattr(tokenizer, "split_special_tokens", False))},
+                      sort_keys=True, default=str).encode()
+
+
+def cache_key(data: dict[str, Any], tokenizer, layout: str, seq_len: int | None,
+              tokenizer_key: str | None = None) -> dict[str, Any]:
+    """The parts of an entry's key (JSON-able; stored in its meta.json). `tokenizer_key`: the tokenizer's digest
+    when the caller knows it (`loaded_tokenizer_digest`), else `tokenizer_digest(tokenizer)`."""
+    return {"data": data, "tokenizer": tokenizer_key or tokenizer_digest(tokenizer), "layout": layout,
+            "seq_len": seq_len, "cache_version": CACHE_VERSION, "store_version": STORE_VERSION}
 
 
 def key_name(parts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def tokens_digest(data: TokenizedData) -> str:
+    """`sha256:HEX` of the store's `starts`, `ids` and `trained` (each after a line naming it, its dtype and
+    length), read a chunk of the memory-mapped arrays at a time."""
+    digest = hashlib.sha256()
+    for name, array, dtype in (("starts", data.starts, "<i8"), ("ids", data.ids, "<i4"),
+                               ("trained", data.trained, "|b1")):
+        digest.update(f"{name} {dtype} {len(array)}\n".encode())
+        step = max(1, HASH_CHUNK_BYTES // np.dtype(dtype).itemsize)
+        for lo in range(0, len(array), step):
+            digest.update(np.ascontiguousarray(array[lo:lo + step], dtype))
+    return f"sha256:{digest.hexdigest()}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +115,8 @@ class CachedData:
     data: TokenizedData
     hit: bool  # the entry existed (built earlier, or by another process while this one waited)
     directory: Path
+    digest: str  # tokens_digest(data)
+    key: dict[str, Any]  # the parts of the entry's key
 
 
 def cached_tokenization(root: str | Path, parts: dict[str, Any], build: Callable[[Path], Any]) -> CachedData:
@@ -75,20 +126,48 @@ def cached_tokenization(root: str | Path, parts: dict[str, Any], build: Callable
     entry = root / key_name(parts)
     with _locked(root, entry.name):
         try:
-            return CachedData(TokenizedData.open(entry), True, entry)
+            data = TokenizedData.open(entry)
         except ValueError:  # none yet, or one that is not whole (replaced below)
             pass
+        else:
+            return CachedData(data, True, entry, _stored_digest(data), parts)
         with atomic_directory(entry, "building") as directory:
             build(directory)
-            TokenizedData.open(directory)  # a build that did not finish its store leaves no entry
-        return CachedData(TokenizedData.open(entry), False, entry)
+            _write_digest(directory, tokens_digest(TokenizedData.open(directory)))  # no whole store, no entry
+        data = TokenizedData.open(entry)
+        return CachedData(data, False, entry, _stored_digest(data), parts)
+
+
+def _stored_digest(data: TokenizedData) -> str:
+    """The entry's digest.json; computed now for an entry that has none (the caller holds the entry's lock)."""
+    try:
+        digest = json.loads((data.directory / DIGEST_FILE).read_text())["digest"]
+        if isinstance(digest, str) and digest.startswith("sha256:"):
+            return digest
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    digest = tokens_digest(data)
+    _write_digest(data.directory, digest)
+    return digest
+
+
+def _write_digest(directory: Path, digest: str) -> None:
+    path, tmp = directory / DIGEST_FILE, directory / f".{DIGEST_FILE}.tmp-{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps({"digest": digest}) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"{path}: cannot write the tokenized data's digest ({e.strerror or e}); choose another "
+                        "directory with --data-cache") from None
 
 
 def load_tokenized(source, tokenizer, seq_len: int | None, layout: str, *, cache: str | None = None,
-                   workers: int = 0, progress: bool = False) -> CachedData:
+                   workers: int = 0, progress: bool = False, tokenizer_key: str | None = None) -> CachedData:
     """`source`'s rows (a finetune.data_sources.DataSource) tokenized with `layout`: the cached store, or one
-    built now with `workers` processes (0: one per core, fewer for little data) and a progress bar."""
-    parts = cache_key(source.fingerprint(), tokenizer, layout, seq_len)
+    built now with `workers` processes (0: one per core, fewer for little data) and a progress bar.
+    `tokenizer_key`: see `cache_key`."""
+    parts = cache_key(source.fingerprint(), tokenizer, layout, seq_len, tokenizer_key)
 
     def build(directory: Path) -> None:
         tokenize_to_store(source.dataset, tokenizer, seq_len, directory, layout=layout, where=source.where,

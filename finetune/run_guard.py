@@ -5,6 +5,10 @@ what a `--resume` may change.
 - `--resume` needs a run with a checkpoint, and the options that define the run (`IMMUTABLE`) unchanged; the
   others (`MUTABLE`) may change and each resume is recorded in RUN/resumes.jsonl (run_config.json stays as
   the run was started).
+- `--resume` also needs the same tokens: RUN/run_data.json records, for --data and --eval-data, the digest of
+  their tokenized examples (`finetune.data_cache.tokens_digest`) when the run started, and a resume whose
+  data tokenizes otherwise (rows edited, added or removed, another tokenizer in --model, another tokenization)
+  is refused. A run started without that record (an older version) resumes unchecked and is recorded then.
 - The lock is an `flock` on RUN/.finetune-lock (pid and host inside): the OS releases it when the process
   dies, so a stale lock file never blocks; only process 0 of a multi-host run takes it (only it writes RUN).
 """
@@ -29,6 +33,9 @@ from jaxmodel.errors import UserError
 from jaxmodel.formats.markers import RUN, RUN_CONFIG, directory_kinds
 
 LOCK_FILE = ".finetune-lock"
+# {"step": when recorded (0: at the start), "data": {...}, "eval_data": {...}} (`finetune.setup.RunData.record`:
+# per file its path, the digest of its tokens, examples, tokens, the data's fingerprint, the tokenizer's digest).
+RUN_DATA = "run_data.json"
 DELETING = ".finetune-deleting-"  # prefix of the directory an --overwrite moves the old run into, then deletes
 DAMAGED = "damaged-checkpoints"  # where a resume moves checkpoints that do not restore (kept, not deleted)
 
@@ -118,6 +125,41 @@ def compare(stored: TrainConfig, new: TrainConfig) -> tuple[dict[str, tuple], di
 def describe_changes(changes: dict[str, tuple]) -> str:
     """`--rank: 8 -> 16, --seq-len: 32 -> 64`."""
     return ", ".join(f"--{flag_of(name)}: {old} -> {new}" for name, (old, new) in changes.items())
+
+
+def describe_data_changes(out: Path, recorded: dict[str, Any], data: dict[str, dict], changed: list[str]) -> str:
+    """`--data X: its tokenized examples differ from those the run started with (N examples, T tokens then; ...
+    now; what changed since): what to do` for the `changed` entries of `data` against those `recorded`."""
+    when = ("the run started with" if recorded["step"] == 0
+            else f"recorded when the run resumed from step {recorded['step']}")
+    parts, files, tokenizer = [], False, False
+    for name in changed:
+        old, new = recorded[name], data[name]
+        files_changed, tokenizer_changed = old.get("source") != new["source"], old.get("tokenizer") != new["tokenizer"]
+        if files_changed or tokenizer_changed:
+            why = " and ".join(["its files"] * files_changed + ["the tokenizer in --model"] * tokenizer_changed)
+            why += " changed since"
+        else:
+            why = ("its files and the tokenizer are as they were: this version of finetune-lora tokenizes them "
+                   "differently")
+        files, tokenizer = files or files_changed, tokenizer or tokenizer_changed
+        parts.append(f"--{flag_of(name)} {new['path']}: its tokenized examples differ from those {when} "
+                     f"({_counts(old)} then; {_counts(new)} now; {why})")
+    if files or tokenizer:
+        fix = f"restore {' and '.join(['the data'] * files + ['the tokenizer'] * tokenizer)} the run used"
+    else:
+        fix = "resume with the version of finetune-lora the run started with"
+    return (f"{'; '.join(parts)}: {fix}, or start a new run in another --out (export-peft --run {out} --out ADAPTER, "
+            "then --init-adapter ADAPTER to start from this run's adapters)")
+
+
+def _is_data_record(entry: Any) -> bool:
+    return (isinstance(entry, dict) and isinstance(entry.get("digest"), str) and isinstance(entry.get("path"), str)
+            and all(isinstance(entry.get(k), int) for k in ("examples", "tokens")))
+
+
+def _counts(entry: dict[str, Any]) -> str:
+    return f"{entry['examples']:,} examples, {entry['tokens']:,} tokens"
 
 
 def _entries(out: Path) -> list[str]:
@@ -277,8 +319,9 @@ class RunDir:
             self.release()
             raise
 
-    def start(self, config: TrainConfig) -> None:
-        """A new run: delete the run an --overwrite replaces, then write run_config.json (first)."""
+    def start(self, config: TrainConfig, data: dict[str, dict] | None = None) -> None:
+        """A new run: delete the run an --overwrite replaces, then write run_config.json (first) and the record
+        of its `data` (run_data.json)."""
         if not self.writer:
             return
         entries = _entries(self.out)
@@ -290,11 +333,44 @@ class RunDir:
         for leftover in self.out.glob(f"{DELETING}*"):
             shutil.rmtree(leftover, ignore_errors=True)
         self._write(RUN_CONFIG, json.dumps(dataclasses.asdict(config), indent=1) + "\n")
+        if data is not None:
+            self._write(RUN_DATA, json.dumps({"step": 0, **data}, indent=1) + "\n")
 
-    def record_resume(self, step: int, damaged: dict[int, str]) -> None:
-        """Append this resume (time, step resumed from, changed options [old, new], damaged steps skipped)."""
+    def check_data(self, data: dict[str, dict]) -> None:
+        """Raise RunDirError when the tokens of `data` (`finetune.setup.RunData.record`) differ from those
+        recorded in run_data.json; a run without that record passes. Reads only (every process may check)."""
+        recorded = self._recorded_data()
+        if recorded is None:
+            return
+        data = json.loads(json.dumps(data))  # as it would be recorded (tuples are lists in JSON)
+        changed = [name for name in ("data", "eval_data")
+                   if name in recorded and name in data and recorded[name]["digest"] != data[name]["digest"]]
+        if changed:
+            raise RunDirError(f"--resume: {describe_data_changes(self.out, recorded, data, changed)}")
+
+    def _recorded_data(self) -> dict[str, Any] | None:
+        path = self.out / RUN_DATA
+        try:
+            recorded = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RunDirError(f"{path}: cannot be read ({getattr(e, 'msg', None) or e}); restore it, or delete it "
+                              "to resume without checking the data") from None
+        if not (isinstance(recorded, dict) and isinstance(recorded.get("step"), int)
+                and _is_data_record(recorded.get("data"))
+                and ("eval_data" not in recorded or _is_data_record(recorded["eval_data"]))):
+            raise RunDirError(f'{path}: expected {{"step", "data": {{"digest", "examples", "tokens", ...}}}}; restore '
+                              "it, or delete it to resume without checking the data")
+        return recorded
+
+    def record_resume(self, step: int, damaged: dict[int, str], data: dict[str, dict] | None = None) -> None:
+        """Append this resume (time, step resumed from, changed options [old, new], damaged steps skipped); a
+        run without a record of its data (started by an older version) gets `data`'s, from this `step`."""
         if not self.writer:
             return
+        if data is not None and not (self.out / RUN_DATA).exists():
+            self._write(RUN_DATA, json.dumps({"step": step, **data}, indent=1) + "\n")
         entry = {"time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "from_step": step,
                  "changes": {name: list(change) for name, change in self.resume.changes.items()}}
         if damaged:

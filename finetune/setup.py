@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from finetune.config import ConfigFileError, TrainConfig
 from finetune.data import DataError, TruncationReport
-from finetune.data_cache import CachedData, load_tokenized
+from finetune.data_cache import CachedData, load_tokenized, loaded_tokenizer_digest
 from finetune.data_sources import DataSource, names_files, open_source
 from finetune.layouts import Detection, detect
 from finetune.memory import sharding_table
@@ -49,21 +49,52 @@ class Run:
     train_rows: PackedRows
     eval_rows: PackedRows | None
     tokenizer: Any
+    data_record: dict[str, dict]  # RunData.record: the tokens the run trains and evaluates on
 
 
-def load_data(config: TrainConfig, tokenizer) -> tuple[PackedRows, PackedRows | None]:
+def load_data(config: TrainConfig, tokenizer, tokenizer_from_model: bool = False
+              ) -> tuple[PackedRows, PackedRows | None]:
     """Training rows and held-out rows (--eval-data, or --eval-fraction of --data), packed from the data tokenized
     once and cached (finetune.data_cache). Examples cut to --seq-len are counted in one warning line on stderr;
     data left with no training target is an error. Process 0 shows the tokenizing progress and ends with one
-    summary line on stderr."""
+    summary line on stderr. `tokenizer_from_model`: see `tokenize_data`."""
+    return pack_data(config, tokenize_data(config, tokenizer, tokenizer_from_model))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunData:
+    """--data (and --eval-data) tokenized, and which of their examples train and which are held out."""
+
+    data: _Tokenized
+    examples: np.ndarray  # int64: the examples of `data` that train
+    held_out: _Tokenized | None  # `data` itself for --eval-fraction
+    eval_examples: np.ndarray | None
+    eval_name: str
+    started: float  # perf_counter() when loading began
+
+    def record(self, config: TrainConfig) -> dict[str, dict]:
+        """What the run trains (`data`) and evaluates (`eval_data`, with --eval-data) on, as tokens: for each its
+        path, the digest of its whole tokenized store (before --eval-fraction splits it), its counts, and
+        what the tokens were made from (the data's fingerprint, the tokenizer's digest)."""
+        record = {"data": self.data.record(config.data)}
+        if config.eval_data:
+            record["eval_data"] = self.held_out.record(config.eval_data)
+        return record
+
+
+def tokenize_data(config: TrainConfig, tokenizer, tokenizer_from_model: bool = False) -> RunData:
+    """--data and --eval-data tokenized (from the cache, or now) and --eval-fraction's split of --data.
+    `tokenizer_from_model`: `tokenizer` is `AutoTokenizer.from_pretrained(config.model)`, unchanged, so the
+    cache is keyed on --model's files (`loaded_tokenizer_digest`) rather than on the serialized tokenizer."""
     main, started = jax.process_index() == 0, time.perf_counter()
+    key = loaded_tokenizer_digest(config.model, tokenizer) if tokenizer_from_model else None
     data = _tokenized(config, open_source(config.data, split=config.data_split, subset=config.data_subset),
-                      tokenizer, main)
+                      tokenizer, main, key)
     examples, held_out, eval_examples, eval_name = np.arange(len(data.source)), None, None, config.data
     if config.eval_data:
         subset = None if names_files(config.eval_data) else config.data_subset  # a subset is a dataset id's
         eval_source = open_source(config.eval_data, split=config.eval_split, subset=subset)
-        held_out, eval_name = _tokenized(config, eval_source, tokenizer, main), config.eval_data
+        held_out, eval_name = _tokenized(config, eval_source, tokenizer, main, key), config.eval_data
         eval_examples = np.arange(len(held_out.source))
     elif config.eval_fraction > 0:
         order = np.random.default_rng(config.seed).permutation(len(data.source))
@@ -72,11 +103,19 @@ def load_data(config: TrainConfig, tokenizer) -> tuple[PackedRows, PackedRows | 
         held_out, eval_name = data, f"{config.data} (the rows held out by --eval-fraction)"
         if not len(examples):
             raise DataError(f"{config.data}: no training rows left after --eval-fraction {config.eval_fraction}")
+    return RunData(data, examples, held_out, eval_examples, eval_name, started)
+
+
+def pack_data(config: TrainConfig, run_data: RunData) -> tuple[PackedRows, PackedRows | None]:
+    """`run_data`'s training and held-out rows packed (see `load_data`), with its warning and summary lines."""
+    main = jax.process_index() == 0
+    data, examples, held_out, eval_examples = (run_data.data, run_data.examples, run_data.held_out,
+                                               run_data.eval_examples)
     report = data.report(examples, config.seq_len)
     report.require_targets(config.data)
     if held_out is not None:
         eval_report = held_out.report(eval_examples, config.seq_len)
-        eval_report.require_targets(eval_name)
+        eval_report.require_targets(run_data.eval_name)
         report = _both(report, eval_report)
     warning = report.warning()
     if warning and main:
@@ -94,7 +133,7 @@ def load_data(config: TrainConfig, tokenizer) -> tuple[PackedRows, PackedRows | 
                  f"{data.cache_status()}")
         if config.eval_data:
             line += f"; --eval-data {held_out.cache_status()}"
-        line += f"; prepared in {time.perf_counter() - started:.1f} s"
+        line += f"; prepared in {time.perf_counter() - run_data.started:.1f} s"
         print(f"finetune-lora: data: {line}", file=sys.stderr)
     return train_rows, None if eval_rows is None else eval_rows.padded_to_multiple(config.batch_size)
 
@@ -111,12 +150,18 @@ class _Tokenized:
     def cache_status(self) -> str:
         return f"cache {'hit' if self.cached.hit else 'miss'} ({self.cached.directory})"
 
+    def record(self, path: str) -> dict[str, Any]:
+        store = self.cached.data
+        return {"path": path, "digest": self.cached.digest, "examples": len(store), "tokens": int(store.starts[-1]),
+                "source": self.cached.key["data"], "tokenizer": self.cached.key["tokenizer"]}
 
-def _tokenized(config: TrainConfig, source: DataSource, tokenizer, main: bool) -> _Tokenized:
+
+def _tokenized(config: TrainConfig, source: DataSource, tokenizer, main: bool,
+               tokenizer_key: str | None = None) -> _Tokenized:
     """`source` tokenized by --data-format: from the cache, or now (with a progress bar on process 0)."""
     layout = detect(source.dataset.column_names, source.description, config.data_format)
     cached = load_tokenized(source, tokenizer, config.seq_len, layout.layout, cache=config.data_cache,
-                            workers=config.data_workers, progress=config.progress and main)
+                            workers=config.data_workers, progress=config.progress and main, tokenizer_key=tokenizer_key)
     return _Tokenized(source, layout, cached)
 
 
@@ -193,8 +238,9 @@ def with_adapter_shape(config: TrainConfig) -> TrainConfig:
                                targets=",".join(sorted(adapter.targets)))
 
 
-def setup(config: TrainConfig, devices=None) -> Run:
-    """Mesh (over `devices`, default all), model with LoRA, data, optimizer and jitted steps."""
+def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dict]], None] | None = None) -> Run:
+    """Mesh (over `devices`, default all), model with LoRA, data, optimizer and jitted steps. `check_data` is
+    given the data's record (`RunData.record`) as soon as the data is tokenized, before the model is loaded."""
     if not jax.distributed.is_initialized():  # run_training joins first, to know which process owns the run dir
         initialize_distributed(config.coordinator, config.num_processes, config.process_id)
     mesh = make_mesh(config.mesh, devices)
@@ -209,7 +255,11 @@ def setup(config: TrainConfig, devices=None) -> Run:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    train_rows, eval_rows = load_data(config, tokenizer)
+    run_data = tokenize_data(config, tokenizer, tokenizer_from_model=True)
+    data_record = run_data.record(config)
+    if check_data is not None:
+        check_data(data_record)
+    train_rows, eval_rows = pack_data(config, run_data)
 
     config = with_adapter_shape(config)
     param_dtype = None if config.param_dtype == "keep" else DTYPES[config.param_dtype]
@@ -234,4 +284,4 @@ def setup(config: TrainConfig, devices=None) -> Run:
     train_step, eval_step = jit_steps(graphdef, config, tx, schedule, state, base, mesh, rules)
     return Run(config=config, mesh=mesh, llama=llama, model=model, graphdef=graphdef, base=base, state=state,
                train_step=train_step, eval_step=eval_step, batch_sharding=batch_sharding(mesh, rules),
-               train_rows=train_rows, eval_rows=eval_rows, tokenizer=tokenizer)
+               train_rows=train_rows, eval_rows=eval_rows, tokenizer=tokenizer, data_record=data_record)

@@ -3,16 +3,30 @@
 A canonical row is `{"text"}`, `{"prompt", "completion"}` or `{"messages"}` (see `finetune.layouts`); its
 example equals, token for token and mask for mask, what `finetune.data.tokenize` (the per-row reference)
 gives it, including the cut at `seq_len + 1` tokens that keeps a giant row from being tokenized whole. Rows
-are tokenized a batch at a time with the fast tokenizer's batch encoding. A chat is rendered once; its
-assistant spans come from the character offsets of its prefix renderings (`apply_chat_template(tokenize=
-False)`) mapped onto that one encoding, each boundary checked to tokenize as the prefix alone would; a row where
-any check fails goes through the reference path instead.
+are tokenized a batch at a time with the fast tokenizer's batch encoding.
 
-Parallelism is a `multiprocessing` pool (spawned, so neither JAX's nor the tokenizer's threads are forked)
-over batches of rows, the tokenizer sent to each worker once, rather than `datasets.map(num_proc=...)`:
-results come back batch by batch in row order and are appended to the store's files as they arrive, at
-most two batches per worker in flight (bounded memory, no Arrow copy of the tokens to convert afterwards),
-and the progress bar counts rows and tokens exactly as they are written.
+A chat is rendered and encoded once. The reference takes an assistant turn's tokens from the lengths of the
+encoded renderings of the conversation's prefixes (up to the turn with the generation prompt, and up to its
+end). Here those prefixes' lengths in characters come from the conversation's shape (its roles): the
+template renders the shape once with a placeholder for each content, and a conversation whose rendering is
+exactly that rendering with its contents put in has its boundaries where the shape's are, shifted by its
+contents' lengths. A shape is used alone after its first SHAPE_CHECKS conversations were also rendered prefix
+by prefix and agreed; a conversation whose rendering differs (a template that changes contents, e.g. trims
+them) is rendered prefix by prefix. The character boundaries are mapped onto the encoding by its offsets,
+each checked to tokenize as the prefix alone would; a row where any check fails goes through the reference
+path instead. Exact for templates that render a conversation from its roles and put each content in as it
+is; a template whose prefix renderings depend on the contents in a way its whole rendering does not show
+is exact only on the conversations checked prefix by prefix.
+
+Parallelism is this process and a `multiprocessing` pool (spawned, so neither JAX's nor the tokenizer's
+threads are forked) over batches of rows, the tokenizer sent to each worker once, rather than
+`datasets.map(num_proc=...)`: results come back batch by batch in row order and are appended to the store's
+files as they arrive, at most two batches per worker in flight (bounded memory, no Arrow copy of the tokens
+to convert afterwards), and the progress bar counts rows and tokens exactly as they are written. This
+process tokenizes batches too whenever the oldest one is not back yet, so the workers' start-up (imports,
+receiving the tokenizer: a few seconds) costs little. Alone (little data, or `workers=1`), it tokenizes in two
+threads: the batch encoding releases the GIL, so one thread's encoding runs beside the other's Python. The
+objects alive before tokenizing starts are left out of garbage collection while it runs (`gc.freeze`).
 
 The store (one directory): `ids.npy` int32 [tokens] every example's ids concatenated, `trained.npy` bool
 [tokens], `starts.npy` int64 [examples + 1] (example e is `ids[starts[e]:starts[e + 1]]` and comes from row
@@ -21,12 +35,16 @@ e), `meta.json` (counts and what the store was built from) written last.
 
 from __future__ import annotations
 
-import bisect
 import collections
+import concurrent.futures
+import contextlib
 import dataclasses
+import gc
+import itertools
 import json
 import math
 import multiprocessing
+import multiprocessing.pool
 import os
 import time
 from pathlib import Path
@@ -45,8 +63,12 @@ BATCH_ROWS = 256
 # A worker process costs a few seconds to start (importing transformers, receiving the tokenizer): fewer
 # rows than this per worker are tokenized faster by fewer processes.
 MIN_ROWS_PER_WORKER = 20_000
+# Spans the tokenizing process itself may run ahead of the oldest span not yet back from a worker (memory in flight).
+LOCAL_AHEAD = 8
 
 Canonical = Callable[[dict, str, str], dict]
+# An example's training targets: a mask over its tokens, or the [start, end) spans of its trained tokens.
+Targets = np.ndarray | list[tuple[int, int]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +173,8 @@ class BatchTokenizer:
                           and getattr(tokenizer, "chat_template", None) is not None)
         decoder = getattr(tokenizer, "added_tokens_decoder", {}) if self.fast_chat else {}
         self.added = {i: token.content for i, token in decoder.items()}
-        self.added_ids = np.array(sorted(self.added), np.int64)
+        self.shapes: dict[tuple, _Shape | None] = {}
+        self.tails: dict[str, list[int]] = {}
 
     def __call__(self, raw_rows: Sequence[dict]) -> _Batch:
         rows, bad_layout = [], None
@@ -168,12 +191,18 @@ class BatchTokenizer:
         if bad_layout is not None:
             return _Batch(*_empty(), bad_row=bad_layout)
         lengths = np.fromiter((len(ids) for ids, _ in examples), np.int64, len(examples))
-        ids = np.fromiter((t for ids, _ in examples for t in ids), np.int32, int(lengths.sum()))
-        trained = np.concatenate([t for _, t in examples]) if examples else np.zeros(0, bool)
-        return _Batch(ids, trained.astype(bool, copy=False), lengths, fallbacks)
+        ids = np.fromiter(itertools.chain.from_iterable(ids for ids, _ in examples), np.int32, int(lengths.sum()))
+        trained = np.zeros(len(ids), bool)
+        for at, n, (_, targets) in zip(np.cumsum(lengths) - lengths, lengths, examples):
+            if isinstance(targets, np.ndarray):
+                trained[at:at + n] = targets
+            else:
+                for start, end in targets:
+                    trained[at + start:at + end] = True
+        return _Batch(ids, trained, lengths, fallbacks)
 
-    def tokenize(self, rows: Sequence[dict]) -> tuple[list[tuple[list[int], np.ndarray]], int]:
-        """(ids, trained) of each canonical row, and how many went through the reference path. Raises
+    def tokenize(self, rows: Sequence[dict]) -> tuple[list[tuple[list[int], Targets]], int]:
+        """(ids, targets) of each canonical row, and how many went through the reference path. Raises
         _BadRow for the first row the reference path rejects."""
         out: list[Any] = [None] * len(rows)
         texts = [i for i, row in enumerate(rows) if "text" in row]
@@ -183,13 +212,12 @@ class BatchTokenizer:
         sub = (lambda n: None) if limit is None else (lambda n: limit - n)
         for i, ids in zip(texts, self.encode_prefixes([rows[i]["text"] for i in texts], [sub(len(bos))] * len(texts))):
             ids = bos + ids + eos
-            out[i] = ids, np.ones(len(ids), bool)
+            out[i] = ids, [(0, len(ids))]
         prompts = [bos + ids for ids in
                    self.encode_prefixes([rows[i]["prompt"] for i in pairs], [sub(len(bos))] * len(pairs))]
         completions = self.encode_prefixes([rows[i]["completion"] for i in pairs], [sub(len(p)) for p in prompts])
         for i, prompt, completion in zip(pairs, prompts, completions):
-            completion = completion + eos
-            out[i] = prompt + completion, np.repeat([False, True], [len(prompt), len(completion)])
+            out[i] = prompt + completion + eos, [(len(prompt), len(prompt) + len(completion) + len(eos))]
         fallback = set()
         if chats:
             for i, example in zip(chats, self.chats([rows[i]["messages"] for i in chats])):
@@ -240,22 +268,19 @@ class BatchTokenizer:
             todo = again
         return out
 
-    def chats(self, conversations: list) -> list[tuple[list[int], np.ndarray] | None]:
-        """(ids, trained) of each conversation, None where the reference path must do it (a check failed, or
+    def chats(self, conversations: list) -> list[tuple[list[int], Targets] | None]:
+        """(ids, targets) of each conversation, None where the reference path must do it (a check failed, or
         the row is one the reference rejects)."""
         if not self.fast_chat:
             return [None] * len(conversations)
         plans = [self._plan_chat(messages) for messages in conversations]
         rendered = [plan.rendering for plan in plans if plan is not None]
-        encoding = self.encode(rendered, offsets=True)
-        encodings = iter(zip(encoding["input_ids"], encoding["offset_mapping"]))
-        tails = []  # (plan, rendering slice, expected ids)
+        encoding = self.tokenizer(rendered, add_special_tokens=False, return_attention_mask=False) if rendered else None
+        encodings = iter(zip(encoding["input_ids"], encoding.encodings) if rendered else ())
         for plan in plans:
             if plan is not None:
                 plan.ids, offsets = next(encodings)
-                plan.find_spans(self, offsets, tails)
-        for (plan, text, expected), got in zip(tails, self.encode([text for _, text, _ in tails])):
-            plan.exact &= got == expected
+                plan.find_spans(self, offsets)
         out = []
         for plan in plans:
             if plan is None or not plan.exact:
@@ -265,10 +290,8 @@ class BatchTokenizer:
             if plan.cut and len(ids) < limit + CUT_MARGIN:
                 out.append(None)  # the reference path grows the character budget
                 continue
-            trained = np.zeros(len(ids), bool)
-            for start, end in plan.spans:
-                trained[start:end] = True
-            out.append((ids, trained) if limit is None else (ids[:limit], trained[:limit]))
+            out.append((ids, plan.spans) if limit is None else
+                       (ids[:limit], [(start, min(end, limit)) for start, end in plan.spans if start < limit]))
         return out
 
     def _plan_chat(self, messages) -> "_ChatPlan | None":
@@ -283,66 +306,201 @@ class BatchTokenizer:
             kept, cut = messages, False
         else:
             kept, cut = _first_characters(messages, CHARS_PER_TOKEN * (self.limit + CUT_MARGIN))
-        return _ChatPlan(kept, cut, self.render(kept))
+        plan = _ChatPlan(kept, cut, self.render(kept))
+        plan.boundaries = self._boundaries(kept, plan.rendering)
+        return plan
 
     def render(self, messages: list, generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
+    def _boundaries(self, messages: list, rendering: str) -> list[tuple[int, int]] | None:
+        """Each assistant turn's (start, end) in characters of `rendering`: the lengths of the renderings of the
+        messages before it with the generation prompt, and of those up to it. From the conversation's shape
+        (see `_Shape`) when `rendering` is that shape's rendering with these contents put in; else (or while
+        the shape is being checked on its first conversations) from rendering each prefix, None when a prefix
+        is not the start of `rendering`."""
+        shape = self._shape(messages)
+        from_shape = shape.boundaries(messages, rendering) if shape is not None else None
+        if from_shape is not None and shape.checked >= SHAPE_CHECKS:
+            return from_shape
+        rendered = []
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                start, end = self.render(messages[:i], True), self.render(messages[: i + 1])
+                if not (rendering.startswith(start) and rendering.startswith(end)):
+                    return None
+                rendered.append((len(start), len(end)))
+        if from_shape is not None:
+            if from_shape == rendered:
+                shape.checked += 1
+            else:
+                self.shapes[shape.key] = None  # the template does not render this shape from its roles alone
+        return rendered
+
+    def _shape(self, messages: list) -> "_Shape | None":
+        try:  # a message with only a role and content (the usual case) is keyed by its role
+            key = tuple(m["role"] if len(m) == 2 else tuple(sorted((k, v) for k, v in m.items() if k != "content"))
+                        for m in messages)
+            hash(key)
+        except TypeError:  # a field the template may read that is not a plain value
+            return None
+        if key not in self.shapes:
+            if len(self.shapes) >= MAX_SHAPES:
+                return None
+            self.shapes[key] = _Shape.of(self, messages, key)
+        return self.shapes[key]
+
+    def tail_ids(self, text: str) -> list[int]:
+        """`text` encoded alone, remembered (the texts between an added token and a turn's boundary are
+        mostly the same few: a header's end, an end-of-turn token)."""
+        ids = self.tails.get(text)
+        if ids is None:
+            (ids,) = self.encode([text])
+            if len(text) <= MAX_REMEMBERED_TAIL and len(self.tails) < MAX_REMEMBERED_TAILS:
+                self.tails[text] = ids
+        return ids
+
+
+# How many conversations of each shape are also rendered prefix by prefix, and must agree, before the shape's
+# boundaries are used alone.
+SHAPE_CHECKS = 2
+MAX_SHAPES = 4096
+MAX_REMEMBERED_TAIL, MAX_REMEMBERED_TAILS = 256, 4096
+# Stands for message i's content when a shape is rendered: private-use characters, which a template passes on
+# as they are.
+_MARK = "\ue000"
+
+
+def _placeholder(i: int) -> str:
+    return f"{_MARK}{i}\ue001"
+
+
+@dataclasses.dataclass(eq=False)
+class _Shape:
+    """A conversation shape: its messages' roles (and any other fields) without their contents. Rendered
+    once with a placeholder for each content, as `literals[0] + content_0 + literals[1] + ... + literals[n]`,
+    and each assistant turn's boundaries as (contents before it, characters of the literals before it).
+    A conversation of this shape whose own rendering is exactly that, its contents put in, has its turns'
+    boundaries there: the template rendered it from its roles alone, with each content as it is."""
+
+    key: tuple
+    literals: list[str]
+    turns: list[tuple[tuple[int, int], tuple[int, int]]]
+    checked: int = 0
+
+    @classmethod
+    def of(cls, batch: BatchTokenizer, messages: list, key: tuple) -> "_Shape | None":
+        marked = [{**m, "content": _placeholder(i)} for i, m in enumerate(messages)]
+        try:
+            whole = batch.render(marked)
+            literals, rest = [], whole
+            for i in range(len(marked)):
+                before, found, rest = rest.partition(_placeholder(i))
+                if not found or _MARK in before:
+                    return None
+                literals.append(before)
+            if _MARK in rest:
+                return None
+            literals.append(rest)
+
+            def position(prefix: str) -> tuple[int, int] | None:
+                """(placeholders before the end of `prefix`, characters of literals before it)."""
+                if not whole.startswith(prefix):
+                    return None
+                n = prefix.count(_MARK)
+                at = len(prefix) - sum(len(_placeholder(i)) for i in range(n))
+                # past the n-th placeholder's end, within the literal after it (not inside the placeholder)
+                return (n, at) if sum(map(len, literals[:n])) <= at <= sum(map(len, literals[: n + 1])) else None
+
+            turns = []
+            for i, m in enumerate(marked):
+                if m["role"] == "assistant":
+                    start, end = position(batch.render(marked[:i], True)), position(batch.render(marked[: i + 1]))
+                    if start is None or end is None:
+                        return None
+                    turns.append((start, end))
+        except Exception:  # the template rejects the placeholders: conversations of this shape render prefixes
+            return None
+        return cls(key, literals, turns)
+
+    def boundaries(self, messages: list, rendering: str) -> list[tuple[int, int]] | None:
+        """The turns' character boundaries in `rendering`, or None when it is not this shape's rendering of
+        these contents."""
+        contents = [m["content"] for m in messages]
+        pieces = [None] * (2 * len(contents) + 1)
+        pieces[::2], pieces[1::2] = self.literals, contents
+        if rendering != "".join(pieces):
+            return None
+        before = [0]
+        for c in contents:
+            before.append(before[-1] + len(c))
+        return [(before[sn] + sa, before[en] + ea) for (sn, sa), (en, ea) in self.turns]
+
 
 @dataclasses.dataclass(eq=False)
 class _ChatPlan:
-    """One conversation on the fast path: its one rendering, then its encoding and assistant spans."""
+    """One conversation on the fast path: its one rendering and its turns' character boundaries, then its
+    encoding and assistant spans in tokens."""
 
     messages: list
     cut: bool
     rendering: str
+    boundaries: list[tuple[int, int]] | None = None
     ids: list[int] = dataclasses.field(default_factory=list)
     spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     exact: bool = True
 
-    def find_spans(self, batch: BatchTokenizer, offsets: list[tuple[int, int]], tails: list) -> None:
+    def find_spans(self, batch: BatchTokenizer, encoding) -> None:
         """Each assistant turn's tokens `[start, end)`: `start` the number of tokens of the conversation before
         it rendered with the generation prompt, `end` of the conversation up to it, found in the one encoding
         (as `finetune.data._render_chat` does, with `stop` the token limit when the conversation was cut)."""
-        starts = [s for s, _ in offsets]
-        is_added = np.isin(np.asarray(self.ids, np.int64), batch.added_ids)
-        # after_added[k]: the index just past the last added token among the first k tokens (0 if none)
-        after_added = np.maximum.accumulate(np.where(is_added, np.arange(1, len(self.ids) + 1), 0))
+        if self.boundaries is None:
+            self.exact = False
+            return
         stop = batch.limit if self.cut else None
-        for i, message in enumerate(self.messages):
-            if message["role"] != "assistant":
-                continue
-            start = self._boundary(batch, batch.render(self.messages[:i], True), starts, offsets, after_added, tails)
+        for start_chars, end_chars in self.boundaries:
+            start = self._boundary(batch, start_chars, encoding)
             if start is None:
                 return
             if stop is not None and start >= stop:
                 break
-            end = self._boundary(batch, batch.render(self.messages[: i + 1]), starts, offsets, after_added, tails)
+            end = self._boundary(batch, end_chars, encoding)
             if end is None:
                 return
             self.spans.append((start, end))
 
-    def _boundary(self, batch, prefix: str, starts, offsets, after_added, tails) -> int | None:
-        """How many tokens `prefix` (a rendering of the first messages) tokenizes to, read from the encoding of
-        the whole rendering: the tokens before its end. Exact when the encoding has a token boundary there
-        and the text from the last added token before it (an added token is matched before anything else is
-        tokenized, and the text on either side of it is tokenized apart) tokenizes to the same tokens alone;
-        that last check is queued in `tails`. Marks the plan inexact (None) otherwise."""
-        p = len(prefix)
-        k = bisect.bisect_left(starts, p)
-        # a quick rejection (a token across the end of the prefix); the check in `tails` decides
-        if not self.rendering.startswith(prefix) or (k and offsets[k - 1][1] > p):
+    def _boundary(self, batch, p: int, encoding) -> int | None:
+        """How many tokens the rendering's first `p` characters (a rendering of the first messages) tokenize
+        to, read from the encoding of the whole rendering (a `tokenizers.Encoding`: its character offsets
+        asked for where needed, not listed): the tokens before `p`. Exact when the encoding has a token
+        boundary there and the text from the last added token before it (an added token is matched before
+        anything else is tokenized, and the text on either side of it is tokenized apart) tokenizes to the
+        same tokens alone. Marks the plan inexact (None) otherwise."""
+        if p == len(self.rendering):
+            k = len(self.ids)
+        else:
+            k = encoding.char_to_token(p)  # the first token holding character p
+            if k is None or encoding.token_to_chars(k)[0] != p:  # no token, or one across the boundary
+                self.exact = False
+                return None
+            while k and encoding.token_to_chars(k - 1)[0] >= p:  # earlier tokens of no text of their own
+                k -= 1
+        if k and encoding.token_to_chars(k - 1)[1] > p:  # a token across the end of the prefix
             self.exact = False
             return None
-        j = int(after_added[k - 1]) if k else 0
+        j = k
+        while j and self.ids[j - 1] not in batch.added:
+            j -= 1
         a = 0
         if j:
-            a, e = offsets[j - 1]
+            a, e = encoding.token_to_chars(j - 1)
             if self.rendering[a:e] != batch.added[self.ids[j - 1]]:
                 self.exact = False
                 return None
             j -= 1
-        tails.append((self, self.rendering[a:p], self.ids[j:k]))
+        if batch.tail_ids(self.rendering[a:p]) != self.ids[j:k]:
+            self.exact = False
+            return None
         return k
 
 
@@ -372,6 +530,7 @@ _worker: dict = {}
 def _start_worker(batch_tokenizer: BatchTokenizer, rows) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process: the pool is the parallelism
     _worker.update(batch=batch_tokenizer, rows=rows)
+    gc.freeze()  # the imports and the tokenizer live as long as the worker: no collection need walk them again
 
 
 def _work(lo: int, hi: int, raw_rows: list | None = None) -> _Batch:
@@ -379,38 +538,114 @@ def _work(lo: int, hi: int, raw_rows: list | None = None) -> _Batch:
 
 
 def default_workers(requested: int, n_rows: int) -> int:
-    """Processes to tokenize `n_rows` with: `requested` (0: one per CPU core this process may use), fewer
-    when there are too few rows for a worker's start-up to pay off."""
+    """Processes to tokenize `n_rows` with: `requested` when given; else one per CPU core this process may
+    use, fewer when there are too few rows for a worker's start-up to pay off (MIN_ROWS_PER_WORKER each)."""
+    if requested:
+        return requested
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(requested or cores, math.ceil(n_rows / MIN_ROWS_PER_WORKER)))
+    return max(1, min(cores, math.ceil(n_rows / MIN_ROWS_PER_WORKER)))
 
 
-def _results(batch: BatchTokenizer, rows, spans: list[tuple[int, int]], workers: int) -> Iterator[_Batch]:
-    """Each span's batch, in order; in `workers` spawned processes when more than one."""
+def _results(batch: BatchTokenizer, rows, spans: Sequence[tuple[int, int]], workers: int) -> Iterator[_Batch]:
+    """Each span's batch, in order, tokenized by `workers` processes: this one and `workers - 1` spawned ones.
+    This process tokenizes spans alone until a worker has started (imported what it needs and received the
+    tokenizer: a few seconds), then hands spans to the workers, two per worker in flight, and takes the next
+    span itself whenever the oldest one is not back yet, at most LOCAL_AHEAD spans ahead."""
     if workers <= 1 or len(spans) <= 1:
-        for lo, hi in spans:
-            yield batch(_raw_rows(rows, lo, hi))
+        yield from _in_two_threads(batch, rows, spans)
         return
+    spans = iter(spans)
     import datasets
 
     shared = rows if isinstance(rows, datasets.Dataset) else None  # sent once; plain rows go with each batch
     context = multiprocessing.get_context("spawn")
-    with context.Pool(min(workers, len(spans)), initializer=_start_worker, initargs=(batch, shared)) as pool:
-        pending: collections.deque = collections.deque()
-        queue = iter(spans)
+    spawned = workers - 1
+    with context.Pool(spawned, initializer=_start_worker, initargs=(batch, shared)) as pool:
+        started = pool.apply_async(_started)
+        for lo, hi in spans:
+            yield batch(_raw_rows(rows, lo, hi))
+            if started.ready():
+                break
+        yield from _beside_workers(batch, rows, spans, pool, spawned, shared)
 
-        def submit():
-            for lo, hi in queue:
+
+def _beside_workers(batch: BatchTokenizer, rows, spans: Iterator[tuple[int, int]], pool, spawned: int,
+                    shared) -> Iterator[_Batch]:
+    """The rest of `_results`, the workers running: two spans each in flight, and the next span tokenized here
+    whenever the oldest one is not back yet."""
+    pending: collections.deque = collections.deque()  # in span order: AsyncResults and this process's _Batches
+    in_flight = 0  # AsyncResults in `pending`
+    with _tokenizer_threads(False):  # this process's encodings one thread each, beside the workers
+        while True:
+            while in_flight < 2 * spawned and (span := next(spans, None)) is not None:
+                lo, hi = span
                 args = (lo, hi) if shared is not None else (lo, hi, _raw_rows(rows, lo, hi))
                 pending.append(pool.apply_async(_work, args))
+                in_flight += 1
+            if not pending:
                 return
+            head = pending[0]
+            waiting = isinstance(head, multiprocessing.pool.AsyncResult)
+            if waiting and not head.ready() and len(pending) < LOCAL_AHEAD:
+                span = next(spans, None)
+                if span is not None:
+                    pending.append(batch(_raw_rows(rows, *span)))
+                    continue
+            pending.popleft()
+            in_flight -= waiting
+            yield head.get() if waiting else head
 
-        for _ in range(2 * workers):
-            submit()
+
+def _in_two_threads(batch: BatchTokenizer, rows, spans: Sequence[tuple[int, int]]) -> Iterator[_Batch]:
+    """Each span's batch, in order, tokenized in two threads of this process: the fast tokenizer's batch
+    encoding releases the GIL, so one thread's encoding runs beside the other's Python (rendering, checks).
+    The threads share `batch`'s caches of shapes and tails (a race only repeats a check) and only read the
+    tokenizer."""
+    def tokenize(lo: int, hi: int) -> _Batch:
+        return batch(_raw_rows(rows, lo, hi))
+
+    # each encoding on one thread: the two threads are the parallelism
+    with concurrent.futures.ThreadPoolExecutor(2) as pool, _tokenizer_threads(False):
+        spans = iter(spans)
+        pending = collections.deque(pool.submit(tokenize, lo, hi) for lo, hi in itertools.islice(spans, 4))
         while pending:
-            result = pending.popleft().get()
-            submit()
+            result = pending.popleft().result()
+            pending.extend(pool.submit(tokenize, lo, hi) for lo, hi in itertools.islice(spans, 1))
             yield result
+
+
+@contextlib.contextmanager
+def _collections_skip_older_objects() -> Iterator[None]:
+    """The objects alive when the block starts (the process's modules, a model, a dataset: millions of them)
+    left out of garbage collection until it ends (`gc.freeze`), so a collection walks only the objects the
+    block makes. Nothing is frozen when something else froze objects already."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _started() -> bool:
+    return True
+
+
+@contextlib.contextmanager
+def _tokenizer_threads(parallel: bool) -> Iterator[None]:
+    """The fast tokenizer's batch encodings multithreaded or not in this process, while in the block (the
+    library reads TOKENIZERS_PARALLELISM at each call)."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if parallel else "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
 def tokenize_to_store(rows, tokenizer, seq_len: int | None, directory: str | Path, *, layout: str = AUTO,
@@ -430,7 +665,8 @@ def tokenize_to_store(rows, tokenizer, seq_len: int | None, directory: str | Pat
     writers = [_NpyAppender(directory / "ids.npy", np.int32), _NpyAppender(directory / "trained.npy", np.bool_)]
     lengths, tokens, fallbacks, began = [], 0, 0, time.perf_counter()
     try:
-        with tqdm(total=len(rows), unit=" rows", desc="tokenize", disable=not progress, leave=False) as bar:
+        with _collections_skip_older_objects(), \
+                tqdm(total=len(rows), unit=" rows", desc="tokenize", disable=not progress, leave=False) as bar:
             for (lo, hi), result in zip(spans, _results(batch, rows, spans, workers)):
                 if result.bad_row is not None:
                     _raise_row_error(rows, lo + result.bad_row, batch, where)

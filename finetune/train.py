@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
@@ -85,11 +86,12 @@ def run_training(config: TrainConfig) -> RunSummary:
         run_dir.release()
 
 
-def _claim(config: TrainConfig, is_main: bool) -> RunDir:
-    """The run directory, checked on every process and locked by process 0; all processes fail together."""
-    error, run_dir = None, None
+def _on_every_process(check: Callable[[], None], elsewhere: str) -> None:
+    """Run `check` on every process; when it raises a UserError on any of them, all raise together (that one its
+    own error, the others RunDirError(`elsewhere`)) rather than some waiting for the others forever."""
+    error = None
     try:
-        run_dir = RunDir(config, with_adapter_shape(config), writer=is_main)
+        check()
     except UserError as e:
         error = e
     if jax.process_count() > 1:
@@ -97,20 +99,35 @@ def _claim(config: TrainConfig, is_main: bool) -> RunDir:
 
         ok = multihost_utils.process_allgather(np.int32(error is None))
         if error is None and not np.all(ok):
-            run_dir.release()
-            error = RunDirError(f"another process could not use --out {config.out} (see its error)")
+            error = RunDirError(elsewhere)
     if error is not None:
         raise error
-    return run_dir
+
+
+def _claim(config: TrainConfig, is_main: bool) -> RunDir:
+    """The run directory, checked on every process and locked by process 0; all processes fail together."""
+    claimed: list[RunDir] = []
+    try:
+        _on_every_process(lambda: claimed.append(RunDir(config, with_adapter_shape(config), writer=is_main)),
+                          f"another process could not use --out {config.out} (see its error)")
+    except UserError:
+        for run_dir in claimed:
+            run_dir.release()
+        raise
+    return claimed[0]
 
 
 def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
-    run = setup(config)
+    def check_data(data: dict[str, dict]) -> None:  # every process compares with the record process 0 made
+        _on_every_process(lambda: run_dir.check_data(data),
+                          "--resume: another process found data other than the run's (see its error)")
+
+    run = setup(config, check_data=check_data if config.resume else None)
     config = run.config  # with an --init-adapter's LoRA shape
     mesh, state, base = run.mesh, run.state, run.base
     out = Path(config.out)
     if not config.resume:  # what export-peft needs to rebuild the model and read the checkpoints, written first
-        run_dir.start(config)
+        run_dir.start(config, run.data_record)
     checkpoints = RunCheckpoints(out / "checkpoints", config.keep_checkpoints)
     position = 0  # global batches consumed
     if config.resume:
@@ -132,7 +149,7 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
                 print(f"finetune-lora: warning: {out / 'checkpoints'}: {describe_damaged(damaged)}; resuming from step "
                       f"{restored} (the damaged checkpoints are kept in {moved})", file=sys.stderr)
         run_dir.truncate_metrics(restored)  # metrics.jsonl never holds a step twice
-        run_dir.record_resume(restored, damaged)
+        run_dir.record_resume(restored, damaged, run.data_record)
     start_step = int(jax.device_get(state.step))
     metrics = MetricsWriter(out, enabled=is_main, purge_step=start_step + 1 if config.resume else None)
     stop = {"sigterm": False}

@@ -1,6 +1,8 @@
 """The tokenized-data cache: a rerun reuses the entry; a changed row, tokenizer, sequence length or layout
-builds another; a build that dies leaves nothing usable; processes sharing the directory build an entry once."""
+builds another; a build that dies leaves nothing usable; processes sharing the directory build an entry once;
+an entry's digest of its tokens is the same for the same tokens however they were built."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -9,17 +11,21 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import write_jsonl
 
+import finetune.data_cache
 import finetune.tokenization
 from finetune.data import DataError
-from finetune.data_cache import cache_key, cache_root, cached_tokenization, key_name, load_tokenized
+from finetune.data_cache import (DIGEST_FILE, cache_key, cache_root, cached_tokenization, key_name, load_tokenized,
+                                 loaded_tokenizer_digest, tokens_digest)
 from finetune.data_sources import open_source
 from finetune.layouts import AUTO
+from finetune.tokenization import TokenizedData, tokenize_to_store
 
 ROWS = [{"text": "the quick brown fox"}, {"prompt": "add 2 + 3 =", "completion": " 5"},
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
@@ -80,6 +86,36 @@ def test_changing_the_tokenizer_misses(tmp_path, tiny_converted):
     changed.chat_template = changed.chat_template.replace("\n\n", "\n")
     keys.add(load(data, changed, tmp_path / "cache").directory)
     assert len(keys) == 3
+
+
+def test_a_tokenizer_loaded_from_a_directory_is_keyed_by_its_files_and_settings(tmp_path, tiny_converted):
+    """`loaded_tokenizer_digest`: the same for a copy of the directory elsewhere; another for any file changed,
+    a file added, or the chat template changed in memory."""
+    from transformers import AutoTokenizer
+
+    directory = copy_tokenizer(tiny_converted, tmp_path / "tok")
+    (directory / "params").mkdir()  # a subdirectory (a checkpoint's weights) is not read
+    (directory / "params" / "weights").write_bytes(b"0" * 100)
+
+    def digest(path=directory):
+        return loaded_tokenizer_digest(path, AutoTokenizer.from_pretrained(path))
+
+    first = digest()
+    assert digest(shutil.copytree(directory, tmp_path / "elsewhere")) == first
+    (directory / "params" / "weights").write_bytes(b"1" * 100)
+    assert digest() == first
+    seen = {first}
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        original = (directory / name).read_text()
+        (directory / name).write_text(original.replace("\n", " ", 1))  # the same JSON and length, another byte
+        seen.add(digest())
+        (directory / name).write_text(original)
+    (directory / "notes.txt").write_text("x")
+    seen.add(digest())
+    changed = AutoTokenizer.from_pretrained(directory)
+    changed.chat_template = changed.chat_template.replace("\n\n", "\n")
+    seen.add(loaded_tokenizer_digest(directory, changed))
+    assert len(seen) == 5
 
 
 def test_changing_seq_len_or_layout_misses(tmp_path, tokenizer):
@@ -192,3 +228,69 @@ def test_the_key_names_what_it_was_built_from(tmp_path, tokenizer):
     parts = cache_key(open_source(str(data)).fingerprint(), tokenizer, AUTO, 32)
     assert cached.directory.name == key_name(parts) and cached.data.meta["key"] == parts
     assert parts["data"]["files"][0]["path"] == str(data.resolve())
+
+
+# ---- the digest of an entry's tokens ---------------------------------------------------------------------
+
+
+def in_memory(ids, trained, starts) -> TokenizedData:
+    return TokenizedData(Path("."), np.asarray(ids, np.int32), np.asarray(trained, bool), np.asarray(starts, np.int64),
+                         {})
+
+
+def test_the_digest_is_sha256_of_the_boundaries_ids_and_targets_in_chunks(monkeypatch):
+    """Hashed a few elements at a time, it equals sha256 of each whole array after a line naming it."""
+    rng = np.random.default_rng(0)
+    starts = np.array([0, 3, 3, 10, 17])
+    data = in_memory(rng.integers(0, 500, 17), rng.integers(0, 2, 17), starts)
+    monkeypatch.setattr(finetune.data_cache, "HASH_CHUNK_BYTES", 8)
+    whole = hashlib.sha256(b"starts <i8 5\n" + starts.astype("<i8").tobytes() + b"ids <i4 17\n"
+                           + data.ids.astype("<i4").tobytes() + b"trained |b1 17\n" + data.trained.tobytes())
+    assert tokens_digest(data) == f"sha256:{whole.hexdigest()}"
+
+
+def test_the_digest_changes_with_any_token_target_or_boundary():
+    ids, trained, starts = [5, 6, 7, 8, 9], [False, True, True, False, True], [0, 3, 5]
+    digest = tokens_digest(in_memory(ids, trained, starts))
+    assert tokens_digest(in_memory(ids, trained, starts)) == digest
+    changed = {"a token": in_memory([5, 6, 7, 8, 10], trained, starts),
+               "a target": in_memory(ids, [False, True, True, True, True], starts),
+               "a boundary": in_memory(ids, trained, [0, 2, 5]),
+               "an example more": in_memory(ids, trained, [0, 3, 5, 5])}
+    digests = {what: tokens_digest(data) for what, data in changed.items()}
+    assert len(set(digests.values()) | {digest}) == len(changed) + 1, digests
+
+
+def test_the_same_tokens_have_the_same_digest_however_they_were_built(tmp_path, tokenizer):
+    """1 or 2 tokenizing processes, a hit, another cache directory, the file touched or copied elsewhere."""
+    data = write_jsonl(tmp_path / "d.jsonl", ROWS * 40)
+    first = load(data, tokenizer, tmp_path / "cache")
+    assert json.loads((first.directory / DIGEST_FILE).read_text()) == {"digest": first.digest}
+    assert first.digest == tokens_digest(first.data)
+    (tmp_path / "two").mkdir()
+    two = tokenize_to_store(open_source(str(data)).dataset, tokenizer, 32, tmp_path / "two", workers=2,
+                            batch_rows=16)
+    np.testing.assert_array_equal(two.ids, first.data.ids)
+    assert tokens_digest(two) == first.digest
+    hit = load(data, tokenizer, tmp_path / "cache")
+    elsewhere = load(data, tokenizer, tmp_path / "other-cache")
+    os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 1_000_000_000))
+    touched = load(data, tokenizer, tmp_path / "cache")
+    copied = load(shutil.copy(data, tmp_path / "copy.jsonl"), tokenizer, tmp_path / "cache")
+    assert (hit.hit, elsewhere.hit, touched.hit, copied.hit) == (True, False, False, False)
+    assert len({first.directory, touched.directory, copied.directory}) == 3
+    assert {hit.digest, elsewhere.digest, touched.digest, copied.digest} == {first.digest}
+    assert load(write_jsonl(data, ROWS * 40 + ROWS[:1]), tokenizer, tmp_path / "cache").digest != first.digest
+
+
+def test_the_digest_is_computed_once_per_entry(tmp_path, tokenizer, monkeypatch):
+    """At the build; a hit reads it. An entry without one (made by an older version) gets it at its next use."""
+    data = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    built = load(data, tokenizer, tmp_path / "cache")
+    with monkeypatch.context() as m:
+        m.setattr(finetune.data_cache, "tokens_digest", lambda data: pytest.fail("hashed on a hit"))
+        assert load(data, tokenizer, tmp_path / "cache").digest == built.digest
+    (built.directory / DIGEST_FILE).unlink()
+    again = load(data, tokenizer, tmp_path / "cache")
+    assert again.hit and again.digest == built.digest
+    assert json.loads((built.directory / DIGEST_FILE).read_text()) == {"digest": built.digest}

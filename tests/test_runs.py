@@ -1,8 +1,10 @@
 """Run directories: one run owns its --out (refused, --overwrite, locked), resumes keep the run's settings and
-are recorded, damaged checkpoints fall back to the previous intact one, failed saves stop the run at once."""
+its data's tokens and are recorded, damaged checkpoints fall back to the previous intact one, failed saves stop
+the run at once."""
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -120,7 +122,8 @@ def test_overwrite_starts_a_clean_run(tmp_path, tiny_converted, data_file, finis
     run = copy_of(finished_run, tmp_path)
     (run / "resumes.jsonl").write_text(json.dumps({"time": "t", "from_step": 2, "changes": {}}) + "\n")
     assert main(cli_args(tiny_converted, data_file, run, "--overwrite", steps="2", rank="4")) == 0
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl", "run_config.json", "tensorboard"]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl", "run_config.json", "run_data.json",
+                                                     "tensorboard"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
     assert [r["step"] for r in metrics(run)] == [1, 2]
     assert len(list((run / "tensorboard").iterdir())) == 1
@@ -453,6 +456,217 @@ def test_no_intact_checkpoint_is_one_line(tmp_path, tiny_converted, data_file, i
     assert hashes(run) == before and not (tmp_path / "adapter").exists()
 
 
+# ---- the data a resume trains on -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def own_inputs(tiny_converted, data_file, tmp_path_factory):
+    """(model, data, eval data): copies for the runs whose tests change them (`put_back` restores them)."""
+    root = tmp_path_factory.mktemp("own")
+    shutil.copytree(tiny_converted, root / "model")
+    shutil.copy(data_file, root / "train.jsonl")
+    (root / "eval.jsonl").write_text("".join(data_file.read_text().splitlines(keepends=True)[:16]))
+    return root / "model", root / "train.jsonl", root / "eval.jsonl"
+
+
+def data_run_args(own_inputs, out, *extra: str, **options: str) -> list[str]:
+    model, data, held_out = own_inputs
+    return cli_args(model, data, out, "--eval-data", str(held_out), *extra, **{**RESUMABLE, **options})
+
+
+@pytest.fixture(scope="module")
+def data_run(own_inputs, tmp_path_factory):
+    """4 of 6 steps on `own_inputs`, checkpoints at 2 and 4 (read-only: copy it to change it)."""
+    out = tmp_path_factory.mktemp("data-run") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        import finetune.train
+
+        mp.setattr(finetune.train, "measure_peak_flops", lambda dtype: 1e12)
+        assert main(data_run_args(own_inputs, out)) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(own_inputs, tmp_path_factory):
+    """The 6 steps of `data_run` in one go."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        import finetune.train
+
+        mp.setattr(finetune.train, "measure_peak_flops", lambda dtype: 1e12)
+        assert main(data_run_args(own_inputs, out, stop_after="0")) == 0
+    return out
+
+
+@pytest.fixture
+def put_back(own_inputs):
+    """After the test, `own_inputs`' data files and tokenizer as they were (contents and times)."""
+    model, data, held_out = own_inputs
+    kept = {path: (path.read_bytes(), path.stat()) for path in (data, held_out, model / "tokenizer.json")}
+    yield
+    for path, (content, stat) in kept.items():
+        path.write_bytes(content)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+_SECONDS_LATER = itertools.count(1)
+
+
+def touch(path: Path) -> None:
+    """`path`'s mtime moved on by whole seconds, never to one it had before (datasets keys its Arrow copy of a
+    file on its path and mtime)."""
+    mtime = path.stat().st_mtime_ns + next(_SECONDS_LATER) * 10**9
+    os.utime(path, ns=(mtime, mtime))
+
+
+def rewrite(path: Path, change) -> None:
+    """Replace `path`'s JSON lines by `change(rows)`."""
+    rows = change([json.loads(line) for line in path.read_text().splitlines()])
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    touch(path)
+
+
+def edit_row(rows: list[dict]) -> list[dict]:
+    return rows[:4] + [{**rows[4], "completion": " 99"}] + rows[5:]
+
+
+def move_a_target(rows: list[dict]) -> list[dict]:
+    """Row 1's " =" moved from its prompt to its completion: the same tokens, one more of them trained."""
+    assert rows[0]["prompt"].endswith(" =")
+    return [{"prompt": rows[0]["prompt"][:-2], "completion": " =" + rows[0]["completion"]}] + rows[1:]
+
+
+def forget_the_merges(model: Path) -> None:
+    tokenizer_json = json.loads((model / "tokenizer.json").read_text())
+    tokenizer_json["model"]["merges"] = []
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+
+
+DATA_CHANGES = {  # what is changed, and which of the run's inputs it changes
+    "a row edited": (lambda model, data, held_out: rewrite(data, edit_row), "data"),
+    "a row added": (lambda model, data, held_out: rewrite(data, lambda rows: rows + rows[:1]), "data"),
+    "a target moved": (lambda model, data, held_out: rewrite(data, move_a_target), "data"),
+    "the tokenizer changed": (lambda model, data, held_out: forget_the_merges(model), "tokenizer"),
+    "an eval row edited": (lambda model, data, held_out: rewrite(held_out, edit_row), "eval_data"),
+}
+
+
+def reference_counts(model: Path, path: Path) -> tuple[int, int]:
+    """(examples, tokens) of the data at `path`, from the per-row reference tokenization."""
+    from transformers import AutoTokenizer
+
+    from finetune.data import read_rows, tokenize
+
+    examples = tokenize(read_rows(path), AutoTokenizer.from_pretrained(model), 32)
+    return len(examples), sum(len(e.ids) for e in examples)
+
+
+def counts(model: Path, path: Path) -> str:
+    examples, tokens = reference_counts(model, path)
+    return f"{examples:,} examples, {tokens:,} tokens"
+
+
+def refusal(run: Path, differences: list[tuple[str, Path, str, str, str]], fix: str,
+            recorded: str = "the run started with") -> str:
+    """The one line refusing to resume `run` on `differences`: (flag, path, counts then, counts now, why)."""
+    parts = "; ".join(f"--{flag} {path}: its tokenized examples differ from those {recorded} ({then} then; {now} now; "
+                      f"{why})" for flag, path, then, now, why in differences)
+    return (f"finetune-lora: error: --resume: {parts}: {fix}, or start a new run in another --out (export-peft --run "
+            f"{run} --out ADAPTER, then --init-adapter ADAPTER to start from this run's adapters)")
+
+
+@pytest.mark.parametrize("change", sorted(DATA_CHANGES))
+def test_resume_refuses_data_whose_tokens_changed(change, own_inputs, data_run, put_back, capsys):
+    """The same --data (or --eval-data) path and --model, other tokens: one line naming each file whose tokens
+    differ, their counts then and now, what changed and what to do; the run directory as it was."""
+    model, data, held_out = own_inputs
+    change_fn, what = DATA_CHANGES[change]
+    then = {path: counts(model, path) for path in (data, held_out)}
+    change_fn(model, data, held_out)
+    before = hashes(data_run)
+    assert main(data_run_args(own_inputs, data_run, "--resume")) == 1
+    if what == "tokenizer":  # both files tokenize otherwise
+        why, fix, changed = "the tokenizer in --model changed since", "restore the tokenizer the run used", [
+            ("data", data), ("eval-data", held_out)]
+    else:
+        why, fix, changed = "its files changed since", "restore the data the run used", [
+            ("eval-data", held_out) if what == "eval_data" else ("data", data)]
+    differences = [(flag, path, then[path], counts(model, path), why) for flag, path in changed]
+    assert error_lines(capsys) == [refusal(data_run, differences, fix)]
+    assert hashes(data_run) == before
+
+
+def test_a_run_records_the_tokens_it_trains_and_evaluates_on(tmp_path, own_inputs, data_run):
+    """RUN/run_data.json: per data file its path, the digest of its tokens, their counts, the data's fingerprint
+    and the tokenizer's digest, and step 0 (when they were recorded)."""
+    from transformers import AutoTokenizer
+
+    from finetune.data_cache import loaded_tokenizer_digest, tokens_digest
+    from finetune.data_sources import open_source
+    from finetune.tokenization import tokenize_to_store
+
+    model, data, held_out = own_inputs
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    record = json.loads((data_run / "run_data.json").read_text())
+    assert sorted(record) == ["data", "eval_data", "step"] and record["step"] == 0
+    for name, path in (("data", data), ("eval_data", held_out)):
+        (tmp_path / name).mkdir()
+        store = tokenize_to_store(open_source(str(path)).dataset, tokenizer, 32, tmp_path / name)
+        examples, tokens = reference_counts(model, path)
+        fingerprint = json.loads(json.dumps(open_source(str(path)).fingerprint()))
+        assert record[name] == {"path": str(path), "digest": tokens_digest(store), "examples": examples,
+                                "tokens": tokens, "source": fingerprint, "tokenizer": loaded_tokenizer_digest(model, tokenizer)}
+
+
+def test_resume_on_the_same_tokens_tokenized_anew(tmp_path, own_inputs, data_run, uninterrupted, put_back, capsys):
+    """The data touched and another --data-cache: tokenized again, to the same tokens, so the run resumes, its
+    losses those of the run done in one go, and run_data.json stays as the run started."""
+    model, data, held_out = own_inputs
+    run = copy_of(data_run, tmp_path)
+    recorded = (run / "run_data.json").read_bytes()
+    for path in (data, held_out):
+        touch(path)
+    assert main(data_run_args(own_inputs, run, "--resume", data_cache=str(tmp_path / "cache"))) == 0
+    assert "cache miss" in capsys.readouterr().err
+    assert [(r["step"], r.get("loss"), r.get("eval_loss")) for r in metrics(run)] == \
+        [(r["step"], r.get("loss"), r.get("eval_loss")) for r in metrics(uninterrupted)]
+    assert (run / "run_data.json").read_bytes() == recorded
+    assert read_resumes(run)[0]["changes"] == {"data_cache": [None, str(tmp_path / "cache")]}
+
+
+@pytest.mark.parametrize("content, why", [
+    ("{", "cannot be read (Expecting property name enclosed in double quotes)"),
+    ('{"step": 0, "data": {"digest": "sha256:0"}}', 'expected {"step", "data": {"digest", "examples", "tokens", ...}}'),
+])
+def test_a_damaged_data_record_is_one_line(content, why, tmp_path, own_inputs, data_run, capsys):
+    run = copy_of(data_run, tmp_path)
+    (run / "run_data.json").write_text(content)
+    before = hashes(run)
+    assert main(data_run_args(own_inputs, run, "--resume")) == 1
+    assert error_lines(capsys) == [f"finetune-lora: error: {run / 'run_data.json'}: {why}; restore it, or delete it "
+                                   "to resume without checking the data"]
+    assert hashes(run) == before
+
+
+def test_a_run_without_a_data_record_resumes_and_records_it(tmp_path, own_inputs, data_run, put_back, capsys):
+    """A run started by a version that did not record its data resumes unchecked; its data is recorded then,
+    and checked by every later resume."""
+    model, data, held_out = own_inputs
+    run = copy_of(data_run, tmp_path)
+    started = json.loads((run / "run_data.json").read_text())
+    (run / "run_data.json").unlink()
+    assert main(data_run_args(own_inputs, run, "--resume")) == 0
+    assert json.loads((run / "run_data.json").read_text()) == {**started, "step": 4}
+    then = counts(model, data)
+    rewrite(data, edit_row)
+    before = hashes(run)
+    assert main(data_run_args(own_inputs, run, "--resume")) == 1
+    difference = ("data", data, then, counts(model, data), "its files changed since")
+    assert error_lines(capsys) == [refusal(run, [difference], "restore the data the run used",
+                                           "recorded when the run resumed from step 4")]
+    assert hashes(run) == before
+
+
 # ---- failed saves -----------------------------------------------------------------------------------------
 
 FAIL_SAVE = """
@@ -570,10 +784,11 @@ def test_many_hosts_lock_on_process_0_and_fail_together(tmp_path, tiny_converted
 
 
 def test_many_hosts_run_writes_the_run_directory_once(tmp_path, tiny_converted, data_file):
-    """2 processes train and resume one run: process 0 writes run_config, metrics and the resume record (once),
-    both write their checkpoint shards; the lock is gone afterwards."""
-    out = tmp_path / "run"
-    args = cli_args(tiny_converted, data_file, out, mesh="dp=2,fsdp=4,mp=1", steps="4", stop_after="2")
+    """2 processes train and resume one run: process 0 writes run_config, run_data, metrics and the resume record
+    (once), both write their checkpoint shards; the lock is gone afterwards. Resumed on other tokens, both
+    processes refuse, and the run directory stays as it was."""
+    out, data = tmp_path / "run", Path(shutil.copy(data_file, tmp_path / "train.jsonl"))
+    args = cli_args(tiny_converted, data, out, mesh="dp=2,fsdp=4,mp=1", steps="4", stop_after="2")
     for extra in ([], ["--resume"]):
         results = two_processes(args + extra)
         assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
@@ -582,3 +797,13 @@ def test_many_hosts_run_writes_the_run_directory_once(tmp_path, tiny_converted, 
     assert resume["from_step"] == 2 and list(resume["changes"]) == ["coordinator"]  # a new port each time
     assert not (out / LOCK_FILE).exists()
     assert load_run(out)[2] == 4
+    assert json.loads((out / "run_data.json").read_text())["step"] == 0
+
+    then = counts(tiny_converted, data)
+    rewrite(data, edit_row)
+    before = hashes(out)
+    results = two_processes(args + ["--resume", "--steps", "6"])
+    expected = refusal(out, [("data", data, then, counts(tiny_converted, data), "its files changed since")],
+                       "restore the data the run used")
+    assert [(r.returncode, stderr_lines(r.stderr)) for r in results] == [(1, [expected])] * 2
+    assert hashes(out) == before

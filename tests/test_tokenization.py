@@ -2,13 +2,17 @@
 reference) token for token and mask for mask, at every place a row can meet --seq-len, with 1 and 2 worker
 processes; the loss masks mean what they should; bad rows are named as the reference names them."""
 
+import time
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from demo.tiny import CHAT_TEMPLATE
 from finetune.data import DataError, tokenize
-from finetune.tokenization import BatchTokenizer, TokenizedData, tokenize_to_store
+from finetune.tokenization import (MIN_ROWS_PER_WORKER, SHAPE_CHECKS, BatchTokenizer, TokenizedData, default_workers,
+                                   tokenize_to_store)
 
 WORDS = "the quick brown fox jumps over a lazy dog 12345 ééé 漢字".split()
 
@@ -56,12 +60,33 @@ def test_every_row_equals_the_per_row_reference(tmp_path, tokenizer, seq_len):
     assert store.meta["reference_path_rows"] == 0  # the tiny tokenizer's chats all take the one-rendering path
 
 
-def test_two_worker_processes_give_the_same_store(tmp_path, tokenizer):
-    one = store_of(SWEEP, tokenizer, 16, tmp_path / "one", batch_rows=5)
-    two = store_of(SWEEP, tokenizer, 16, tmp_path / "two", batch_rows=5, workers=2)
+@pytest.mark.parametrize("workers", [2, 3])
+def test_worker_processes_give_the_same_store(tmp_path, tokenizer, workers, monkeypatch):
+    """This process and `workers - 1` spawned ones, each batch written in row order whoever tokenized it. This
+    process is slowed down (the workers import the module afresh, unslowed): it tokenizes the first batches
+    alone while the workers start, then some beside them."""
+    rows = SWEEP * 3
+    one = store_of(rows, tokenizer, 16, tmp_path / "one", batch_rows=5)
+    here = []
+
+    def slowly(self, raw_rows, tokenize=BatchTokenizer.__call__):
+        here.append(len(raw_rows))
+        time.sleep(0.25)
+        return tokenize(self, raw_rows)
+
+    monkeypatch.setattr(BatchTokenizer, "__call__", slowly)
+    two = store_of(rows, tokenizer, 16, tmp_path / "two", batch_rows=5, workers=workers)
+    assert 0 < sum(here) < len(rows)
     for name in ("ids", "trained", "starts"):
         np.testing.assert_array_equal(getattr(one, name), getattr(two, name), err_msg=name)
-    assert_equals_reference(two, SWEEP, tokenizer, 16)
+    assert_equals_reference(two, rows, tokenizer, 16)
+
+
+
+def test_data_workers_gives_that_many_processes_and_0_one_per_core_for_enough_rows():
+    assert default_workers(2, 10) == 2 and default_workers(3, 10**7) == 3
+    cores = default_workers(0, 10**9)
+    assert default_workers(0, 10) == 1 and default_workers(0, MIN_ROWS_PER_WORKER + 1) == min(2, cores)
 
 
 @pytest.fixture
@@ -153,6 +178,63 @@ def test_a_generation_prompt_ending_inside_a_token_takes_the_reference_path(out)
     assert store.meta["reference_path_rows"] == 1
 
 
+# ---- a conversation costs one rendering ------------------------------------------------------------------
+
+class CountingRenders:
+    """The tokenizer, counting `apply_chat_template` calls on real conversations (not on a shape's placeholders)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self.real = tokenizer, 0
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, texts, **kw):
+        return self._tokenizer(texts, **kw)
+
+    def apply_chat_template(self, messages, **kw):
+        self.real += not any("\ue000" in m["content"] for m in messages)
+        return self._tokenizer.apply_chat_template(messages, **kw)
+
+
+def test_a_conversation_costs_one_rendering_once_its_shape_is_checked(out, tokenizer):
+    """Conversations of the same roles render once each, after the first SHAPE_CHECKS of them are also rendered
+    prefix by prefix (two renderings per assistant turn) and agree."""
+    two = [chat(words(n), words(n + 1, 3)) for n in range(1, 30)]  # 1 assistant turn
+    three = [chat(words(2), words(3), words(n), words(4), system=words(n)) for n in range(1, 30)]  # 2 turns
+    rows = [row for pair in zip(two, three) for row in pair]
+    counting = CountingRenders(tokenizer)
+    store = store_of(rows, counting, None, out, batch_rows=len(rows))  # one batch: one thread, exact counts
+    assert_equals_reference(store, rows, tokenizer, None)
+    assert counting.real == len(rows) + SHAPE_CHECKS * 2 * (1 + 2)
+
+
+# contents trimmed, as Llama 3.1's own template does: a conversation with a content the template changes renders
+# differently from its shape with its contents put in
+TRIMMING_TEMPLATE = CHAT_TEMPLATE.replace("message['content']", "(message['content'] | trim)")
+
+
+def test_a_conversation_the_template_changes_is_rendered_prefix_by_prefix(out, tokenizer):
+    tokenizer.chat_template = TRIMMING_TEMPLATE
+    rows = [chat(words(n), words(5, n)) for n in range(1, 8)] + [chat("  hi ", " ok  "), chat("hi", "ok \n")]
+    counting = CountingRenders(tokenizer)
+    store = store_of(rows, counting, None, out)
+    assert_equals_reference(store, rows, tokenizer, None)
+    assert store.meta["reference_path_rows"] == 0
+    assert counting.real == len(rows) + (SHAPE_CHECKS + 2) * 2
+
+
+def test_a_shape_its_first_conversations_disagree_with_is_not_used(out, tokenizer):
+    """A template whose generation prompt depends on the last message's content: for the first conversation
+    the shape's boundaries are not those of the prefix renderings, so no conversation of that shape uses them
+    (the fourth, after two that agree, would otherwise train its header)."""
+    tokenizer.chat_template = CHAT_TEMPLATE.replace(
+        "{% if add_generation_prompt %}", "{% if add_generation_prompt and messages[-1]['content'] != 'short' %}")
+    rows = [chat("short", "a"), chat("x", "b"), chat("y", "c"), chat("short", "d")]
+    store = store_of(rows, tokenizer, None, out)
+    assert_equals_reference(store, rows, tokenizer, None)
+
+
 # ---- random rows ------------------------------------------------------------------------------------------
 
 PIECES = list("ab 1\n\t.é漢") + ["<|eot_id|>", "<|start_header_id|>", "  ", "\n\n", " the", "fox"]
@@ -237,11 +319,12 @@ def test_a_row_the_tokenizer_rejects_before_a_row_of_no_layout_is_the_one_named(
 
 def test_batch_tokenizer_matches_the_reference_on_canonical_rows(tokenizer):
     """The batch step alone (no store): a mixed batch of canonical rows."""
-    examples, fallbacks = BatchTokenizer(tokenizer, 16).tokenize(SWEEP)
+    batch = BatchTokenizer(tokenizer, 16)(SWEEP)
     reference = tokenize([("r", row) for row in SWEEP], tokenizer, 16)
-    assert fallbacks == 0
-    for (ids, trained), expected in zip(examples, reference):
-        assert list(ids) == expected.ids.tolist() and list(trained) == expected.trained.tolist()
+    assert batch.fallbacks == 0 and batch.bad_row is None
+    np.testing.assert_array_equal(batch.lengths, [len(e.ids) for e in reference])
+    np.testing.assert_array_equal(batch.ids, np.concatenate([e.ids for e in reference]))
+    np.testing.assert_array_equal(batch.trained, np.concatenate([e.trained for e in reference]))
 
 
 class WordTokenizer:
@@ -260,7 +343,8 @@ def test_tokens_near_a_cut_are_dropped_when_the_tokenizer_merges_across_it():
     grows, as the reference's does."""
     text = " ".join(f"{i:030d}" for i in range(5000))  # 30-character words, one token each
     rows = [{"text": text}, {"prompt": text, "completion": "a"}, {"prompt": "p", "completion": text}]
-    (examples, _), reference = BatchTokenizer(WordTokenizer(), 16).tokenize(rows), tokenize(
-        [("r", row) for row in rows], WordTokenizer(), 16)
-    for (ids, trained), expected in zip(examples, reference):
-        assert list(ids) == expected.ids.tolist() and list(trained) == expected.trained.tolist()
+    batch = BatchTokenizer(WordTokenizer(), 16)(rows)
+    reference = tokenize([("r", row) for row in rows], WordTokenizer(), 16)
+    np.testing.assert_array_equal(batch.lengths, [len(e.ids) for e in reference])
+    np.testing.assert_array_equal(batch.ids, np.concatenate([e.ids for e in reference]))
+    np.testing.assert_array_equal(batch.trained, np.concatenate([e.trained for e in reference]))
