@@ -650,39 +650,24 @@ def _workers(n: int) -> str:
     return f"{n} worker{'s' if n != 1 else ''}"
 
 
-def toolkit_side(config: Config, workdir: Path, seq_len: int, load_data: bool, whole: bool) -> None:
-    """CLI cold then warm on fresh caches; then load_data cold then warm on other fresh caches."""
+def toolkit_side(config: Config, workdir: Path, seq_len: int, load_data: bool, whole: bool,
+                 forced: bool = False) -> None:
+    """CLI cold then warm on fresh caches; then (with `load_data`) load_data cold then warm on other fresh
+    caches. `forced`: cold runs only, at `--data-workers config.forced_data_workers`."""
     scratch = workdir / "scratch"
+    workers, states, suffix = ((config.forced_data_workers, ("cold",), FORCED) if forced
+                               else (config.data_workers, ("cold", "warm"), ""))
     for via in ("cli", "load_data") if load_data else ("cli",):
         shutil.rmtree(scratch, ignore_errors=True)
         cache, datasets_cache = scratch / "data-cache", scratch / "hf-datasets"
-        for state in ("cold", "warm"):
+        for state in states:
             if via == "cli":
                 m = measure_cli(config.model, config.data, scratch, cache, datasets_cache, seq_len,
-                                "miss" if state == "cold" else "hit", whole, config.data_workers)
+                                "miss" if state == "cold" else "hit", whole, workers)
             else:
-                m = measure_load_data(config.model, config.data, scratch, cache, datasets_cache, seq_len,
-                                      config.data_workers)
-            config.add(f"{via} {state}", m)
-            _print_run(config, f"{via} {state}", m)
-    shutil.rmtree(scratch, ignore_errors=True)
-
-
-def forced_side(config: Config, workdir: Path, seq_len: int, load_data: bool, whole: bool) -> None:
-    """A cold CLI run, then (with `load_data`) a cold load_data, each on fresh caches, at
-    `--data-workers config.forced_data_workers`."""
-    scratch = workdir / "scratch"
-    for via in ("cli", "load_data") if load_data else ("cli",):
-        shutil.rmtree(scratch, ignore_errors=True)
-        cache, datasets_cache = scratch / "data-cache", scratch / "hf-datasets"
-        if via == "cli":
-            m = measure_cli(config.model, config.data, scratch, cache, datasets_cache, seq_len, "miss", whole,
-                            config.forced_data_workers)
-        else:
-            m = measure_load_data(config.model, config.data, scratch, cache, datasets_cache, seq_len,
-                                  config.forced_data_workers)
-        config.add(f"{via} cold{FORCED}", m)
-        _print_run(config, f"{via} cold{FORCED}", m)
+                m = measure_load_data(config.model, config.data, scratch, cache, datasets_cache, seq_len, workers)
+            config.add(f"{via} {state}{suffix}", m)
+            _print_run(config, f"{via} {state}{suffix}", m)
     shutil.rmtree(scratch, ignore_errors=True)
 
 
@@ -968,8 +953,8 @@ def main() -> None:
                 elif side == "toolkit":
                     toolkit_side(config, workdir, args.seq_len, config.rows <= args.load_data_rows, args.whole_runs)
                 else:
-                    forced_side(config, workdir, args.seq_len, config.forced_for_rows <= args.load_data_rows,
-                                args.whole_runs)
+                    toolkit_side(config, workdir, args.seq_len, config.forced_for_rows <= args.load_data_rows,
+                                 args.whole_runs, forced=True)
     report(configs, startups, args, n_cores)
 
 

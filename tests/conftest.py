@@ -55,6 +55,15 @@ def tokenizer(tiny_converted):
     return AutoTokenizer.from_pretrained(tiny_converted)
 
 
+@pytest.fixture
+def default_allocator(monkeypatch):
+    """None of JAX's allocator variables set: plans judged against the default usable memory."""
+    from finetune import allocator
+
+    for name in (allocator.FRACTION, allocator.FRACTION_DEPRECATED, allocator.PREALLOCATE, allocator.ALLOCATOR):
+        monkeypatch.delenv(name, raising=False)
+
+
 def write_jsonl(path, rows):
     """`rows` (dicts, or raw lines as strings) as a JSONL file at `path`; returns `path`."""
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))

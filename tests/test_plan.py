@@ -49,10 +49,7 @@ SMALL = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermedi
 
 
 @pytest.fixture
-def small_config(tmp_path, monkeypatch):
-    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
-                 "XLA_PYTHON_CLIENT_ALLOCATOR"):
-        monkeypatch.delenv(name, raising=False)
+def small_config(tmp_path, default_allocator):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(SMALL))
     return path

@@ -19,10 +19,7 @@ MESH = "dp=2,fsdp=4,mp=1"  # dp replicates: each device holds a quarter of each 
 
 
 @pytest.fixture
-def small_config(tmp_path, monkeypatch):
-    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
-                 "XLA_PYTHON_CLIENT_ALLOCATOR"):
-        monkeypatch.delenv(name, raising=False)
+def small_config(tmp_path, default_allocator):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(SMALL))
     return path
