@@ -50,7 +50,7 @@ def jax_side(layers: int = 8, remat: str = "none"):
     from flax import nnx
 
     from finetune.config import TrainConfig
-    from finetune.step import TrainState, build_steps, make_optimizer, split_model
+    from finetune.step.train_step import TrainState, build_steps, make_optimizer, split_model
     from jaxmodel import LlamaConfig, LlamaForCausalLM
     from jaxmodel.lora import LoraConfig, apply_lora
 
@@ -104,7 +104,7 @@ def torch_side():
 
 
 def jax_peak(size=2048, repeats=10) -> float:
-    from finetune.metrics import measure_peak_flops
+    from finetune.train.metrics import measure_peak_flops
     import jax.numpy as jnp
 
     return measure_peak_flops(jnp.float32, size, repeats)
@@ -212,7 +212,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    from finetune.metrics import flops_per_token
+    from finetune.train.metrics import flops_per_token
     from jaxmodel import LlamaConfig
 
     flops = flops_per_token(LlamaConfig(**CONFIG), SEQ)

@@ -224,7 +224,7 @@ def compare_with_peft(hf_dir: Path, jax_dir: Path, adapter_dir: Path, test_file:
     from tqdm import tqdm
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from finetune.data import read_rows
+    from finetune.data.reference import read_rows
     from jaxmodel import load_peft_adapter, load_pretrained
 
     rows = [row for _, row in read_rows(test_file)]
@@ -277,7 +277,7 @@ def jax_accuracy(jax_dir: Path, adapter_dir: Path, test_file: Path) -> float:
     import numpy as np
     from transformers import AutoTokenizer
 
-    from finetune.data import read_rows
+    from finetune.data.reference import read_rows
     from jaxmodel import load_peft_adapter, load_pretrained
     from jaxmodel.generation import generate
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from export.merge import merge_base_for, save_merged
-from finetune.run_dir import load_run, read_run_config
+from finetune.run.reading import load_run, read_run_config
 from jaxmodel.formats.checkpoint import MANIFEST, checkpoint_quantization, read_manifest
 from jaxmodel.formats.markers import ADAPTER, HF_CHECKPOINT
 from jaxmodel.formats.output_dir import check_output_dir

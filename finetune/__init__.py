@@ -10,11 +10,11 @@ from jaxmodel.lazy import lazy_exports
 
 _EXPORTS = {
     "TrainConfig": "finetune.config", "ConfigFileError": "finetune.config", "load_config": "finetune.config",
-    "run_training": "finetune.train", "RunSummary": "finetune.train", "TrainingError": "finetune.train",
-    "Run": "finetune.setup",
-    "plan": "finetune.planning", "PlanReport": "finetune.planning", "fit": "finetune.fitting",
-    "FitReport": "finetune.fitting", "usable_memory": "finetune.allocator",
-    "load_run": "finetune.run_dir", "read_run_config": "finetune.run_dir", "RunError": "finetune.run_dir",
+    "run_training": "finetune.train.loop", "RunSummary": "finetune.train.loop", "TrainingError": "finetune.train.loop",
+    "Run": "finetune.train.build",
+    "plan": "finetune.planning.plan", "PlanReport": "finetune.planning.plan", "fit": "finetune.planning.fit",
+    "FitReport": "finetune.planning.fit", "usable_memory": "finetune.planning.allocator",
+    "load_run": "finetune.run.reading", "read_run_config": "finetune.run.reading", "RunError": "finetune.run.reading",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

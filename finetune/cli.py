@@ -26,14 +26,14 @@ def main(argv: list[str] | None = None) -> int:
         config.validate()
         if config.plan:
             if config.fit:
-                from finetune.fitting import fit as run_plan
+                from finetune.planning.fit import fit as run_plan
             else:
-                from finetune.planning import plan as run_plan
+                from finetune.planning.plan import plan as run_plan
 
             plan_report = run_plan(config)
             print(plan_report)
             return 0 if plan_report.fits else 1
-        from finetune.train import run_training
+        from finetune.train.loop import run_training
 
         summary = run_training(config)
     except UserError as e:

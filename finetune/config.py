@@ -35,102 +35,184 @@ SECTIONS = {
 }
 
 
-def option(default: Any, help: str, **kw) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help, **kw})
+# What a `--resume` may do with each option, declared beside the option so that a new option cannot be added
+# without deciding it (finetune/run/policy.py reads these; docs/config.md shows them). `why` is the reason a
+# user sees: what the stored run depends on (Refused), why changing it is harmless (Allowed), or why comparing
+# it means nothing (NotCompared).
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Allowed:
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class NotCompared:
+    why: str
+
+
+ResumePolicy = Refused | Allowed | NotCompared
+
+
+def option(default: Any, help: str, *, resume: ResumePolicy, plan_only: bool = False) -> Any:
+    """A TrainConfig field. `plan_only`: the option describes a plan, not a run, so the command line
+    `--plan --fit` prints leaves it out."""
+    if not isinstance(resume, ResumePolicy) or not resume.why:
+        raise TypeError(f"option {help!r}: resume= must be Refused, Allowed or NotCompared with a reason, "
+                        f"got {resume!r}")
+    return dataclasses.field(default=default, metadata={"help": help, "resume": resume, "plan_only": plan_only})
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     # what to train on, and where the run goes
-    model: str | None = option(None, "converted checkpoint directory (convert-llama --out)")
+    model: str | None = option(None, "converted checkpoint directory (convert-llama --out)",
+                               resume=Refused("the base weights the adapters belong to (export-peft reads it from "
+                                              "run_config.json)"))
     data: str | None = option(None, "training data: a .jsonl/.json/.parquet/.csv file, a directory or glob of such "
-                                     "files (read in sorted name order), or a dataset id in the HF datasets cache")
+                                     "files (read in sorted name order), or a dataset id in the HF datasets cache",
+                              resume=Refused("the rows the stored data position counts through"))
     data_format: Literal["auto", "text", "prompt-completion", "messages", "alpaca", "sharegpt"] = option(
         "auto", "row layout of --data and --eval-data: text, prompt-completion, messages (OpenAI chat), alpaca "
                 "(instruction/input/output) or sharegpt (conversations of from/value); auto detects it and reports "
-                "what it found")
-    data_split: str = option("train", "split of a dataset id given as --data")
-    data_subset: str | None = option(None, "subset (configuration) of a dataset id given as --data")
+                "what it found",
+        resume=Refused("how each row becomes tokens and training targets"))
+    data_split: str = option("train", "split of a dataset id given as --data",
+                             resume=Refused("which rows --data names"))
+    data_subset: str | None = option(None, "subset (configuration) of a dataset id given as --data",
+                                     resume=Refused("which rows --data names"))
     data_cache: str | None = option(None, "directory of tokenized-data caches, reused by reruns, resumes and other "
-                                          "runs (default: $XDG_CACHE_HOME/llama-jax/data or ~/.cache/llama-jax/data)")
-    data_workers: int = option(0, "processes that tokenize the data (0: one per CPU core, at most one per 20,000 rows)")
-    out: str | None = option(None, "run directory: checkpoints, metrics.jsonl, TensorBoard events")
-    eval_data: str | None = option(None, "evaluation data file (same formats as --data)")
-    eval_split: str = option("test", "split of a dataset id given as --eval-data (its subset: --data-subset)")
-    eval_fraction: float = option(0.0, "hold out this fraction of --data rows for evaluation (when no --eval-data)")
-    eval_every: int = option(0, "evaluate every N steps (0: only at the end, if there is eval data)")
+                                          "runs (default: $XDG_CACHE_HOME/llama-jax/data or ~/.cache/llama-jax/data)",
+                                    resume=Allowed("where tokenized data is kept: the same rows either way"))
+    data_workers: int = option(0, "processes that tokenize the data (0: one per CPU core, at most one per 20,000 rows)",
+                               resume=Allowed("speed only: the same tokens either way"))
+    out: str | None = option(None, "run directory: checkpoints, metrics.jsonl, TensorBoard events",
+                             resume=NotCompared("where the run is: the same directory, however spelled"))
+    eval_data: str | None = option(None, "evaluation data file (same formats as --data)",
+                                   resume=Refused("the held-out set every eval_loss in metrics.jsonl is measured on"))
+    eval_split: str = option("test", "split of a dataset id given as --eval-data (its subset: --data-subset)",
+                             resume=Refused("the held-out set every eval_loss in metrics.jsonl is measured on"))
+    eval_fraction: float = option(0.0, "hold out this fraction of --data rows for evaluation (when no --eval-data)",
+                                  resume=Refused("which rows of --data are held out, so which rows train"))
+    eval_every: int = option(0, "evaluate every N steps (0: only at the end, if there is eval data)",
+                             resume=Allowed("when to evaluate, not what"))
     # mesh and hosts
-    mesh: str = option("dp=1,fsdp=-1,mp=1", "device mesh sizes; one size may be -1 (all remaining devices)")
-    coordinator: str | None = option(None, "HOST:PORT of process 0, for multi-host runs (or JAX_COORDINATOR_ADDRESS)")
-    num_processes: int | None = option(None, "number of processes in a multi-host run (or JAX_NUM_PROCESSES)")
-    process_id: int | None = option(None, "this process's index in a multi-host run (or JAX_PROCESS_ID)")
+    mesh: str = option("dp=1,fsdp=-1,mp=1", "device mesh sizes; one size may be -1 (all remaining devices)",
+                       resume=Allowed("the layout only: restore reshards, and losses agree across meshes to 1e-5"))
+    coordinator: str | None = option(None, "HOST:PORT of process 0, for multi-host runs (or JAX_COORDINATOR_ADDRESS)",
+                                     resume=Allowed("the hosts only"))
+    num_processes: int | None = option(None, "number of processes in a multi-host run (or JAX_NUM_PROCESSES)",
+                                       resume=Allowed("the hosts only"))
+    process_id: int | None = option(None, "this process's index in a multi-host run (or JAX_PROCESS_ID)",
+                                    resume=Allowed("the hosts only"))
     # LoRA
-    rank: int = option(8, "LoRA rank r")
-    alpha: float = option(16.0, "LoRA alpha; scale = alpha / r (alpha / sqrt(r) with --rslora)")
+    rank: int = option(8, "LoRA rank r", resume=Refused("the shape of the stored adapters"))
+    alpha: float = option(16.0, "LoRA alpha; scale = alpha / r (alpha / sqrt(r) with --rslora)",
+                          resume=Refused("the adapters' scale (export writes it from run_config.json)"))
     targets: str = option("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-                          "comma-separated HF module names to adapt (lm_head is possible, never default)")
-    rslora: bool = option(False, "rank-stabilised LoRA scaling alpha / sqrt(r)")
-    lora_dropout: float = option(0.0, "dropout on the LoRA branch's input, as PEFT's lora_dropout")
+                          "comma-separated HF module names to adapt (lm_head is possible, never default)",
+                          resume=Refused("which modules have stored adapters"))
+    rslora: bool = option(False, "rank-stabilised LoRA scaling alpha / sqrt(r)",
+                          resume=Refused("the adapters' scale (export writes it from run_config.json)"))
+    lora_dropout: float = option(0.0, "dropout on the LoRA branch's input, as PEFT's lora_dropout",
+                                 resume=Refused("the function being trained"))
     init_adapter: str | None = option(None, "start from this PEFT LoRA adapter directory; its r, alpha, rsLoRA and "
-                                            "targets replace --rank/--alpha/--rslora/--targets")
+                                            "targets replace --rank/--alpha/--rslora/--targets",
+                                      resume=Refused("the starting point and shape of the adapters"))
     # optimisation
-    steps: int = option(100, "optimizer steps")
-    batch_size: int = option(8, "global batch size in sequences per optimizer step (across all devices)")
-    grad_accum: int = option(1, "micro-batches per step; each micro-batch holds batch_size / grad_accum rows")
+    steps: int = option(100, "optimizer steps",
+                        resume=Allowed("the schedule's length: a run can be extended or shortened"))
+    batch_size: int = option(8, "global batch size in sequences per optimizer step (across all devices)",
+                             resume=Refused("the rows per step the stored data position counts in"))
+    grad_accum: int = option(1, "micro-batches per step; each micro-batch holds batch_size / grad_accum rows",
+                             resume=Refused("the micro-batches each step's dropout keys are split over"))
     seq_len: int = option(512, "tokens per sequence; a longer example is cut to it, with one warning counting "
-                               "the examples cut and those left with no training target")
+                               "the examples cut and those left with no training target",
+                          resume=Refused("the rows themselves (packing and truncation)"))
     pack: bool = option(True, "pack several examples per sequence (attention stays within each); "
-                              "--no-pack pads each example to --seq-len")
-    lr: float = option(1e-4, "peak learning rate")
-    schedule: Literal["cosine", "linear", "constant"] = option("cosine", "decay after warm-up")
-    warmup_steps: int = option(0, "linear warm-up steps from 0 to --lr")
-    min_lr_ratio: float = option(0.0, "final learning rate as a fraction of --lr (cosine/linear)")
-    weight_decay: float = option(0.0, "AdamW weight decay on the LoRA parameters")
-    adam_b1: float = option(0.9, "AdamW beta1")
-    adam_b2: float = option(0.999, "AdamW beta2")
-    adam_eps: float = option(1e-8, "AdamW epsilon")
-    clip_norm: float = option(1.0, "clip gradients to this global norm (0: no clipping)")
-    seed: int = option(0, "seed of LoRA initialisation, data order and dropout")
+                              "--no-pack pads each example to --seq-len",
+                        resume=Refused("the rows themselves"))
+    lr: float = option(1e-4, "peak learning rate",
+                       resume=Refused("the optimisation the stored Adam moments belong to (and the model card's "
+                                      "learning rate)"))
+    schedule: Literal["cosine", "linear", "constant"] = option(
+        "cosine", "decay after warm-up", resume=Refused("the optimisation the stored Adam moments belong to"))
+    warmup_steps: int = option(0, "linear warm-up steps from 0 to --lr",
+                               resume=Refused("the optimisation the stored Adam moments belong to"))
+    min_lr_ratio: float = option(0.0, "final learning rate as a fraction of --lr (cosine/linear)",
+                                 resume=Refused("the optimisation the stored Adam moments belong to"))
+    weight_decay: float = option(0.0, "AdamW weight decay on the LoRA parameters",
+                                 resume=Refused("the optimisation the stored Adam moments belong to"))
+    adam_b1: float = option(0.9, "AdamW beta1", resume=Refused("the meaning of the stored first moments"))
+    adam_b2: float = option(0.999, "AdamW beta2", resume=Refused("the meaning of the stored second moments"))
+    adam_eps: float = option(1e-8, "AdamW epsilon",
+                             resume=Refused("the optimisation the stored Adam moments belong to"))
+    clip_norm: float = option(1.0, "clip gradients to this global norm (0: no clipping)",
+                              resume=Refused("the optimisation (and 0 <-> non-zero changes the stored optimizer "
+                                             "state's structure)"))
+    seed: int = option(0, "seed of LoRA initialisation, data order and dropout",
+                       resume=Refused("the data order and dropout keys"))
     # numerics and memory
-    dtype: Literal["bfloat16", "float32"] = option("bfloat16", "compute dtype of the forward/backward pass")
-    param_dtype: Literal["keep", "bfloat16", "float32"] = option("keep", "dtype of the frozen base weights in "
-                                                                          "device memory (keep: as stored)")
+    dtype: Literal["bfloat16", "float32"] = option("bfloat16", "compute dtype of the forward/backward pass",
+                                                   resume=Refused("the numerics of the function being trained"))
+    param_dtype: Literal["keep", "bfloat16", "float32"] = option(
+        "keep", "dtype of the frozen base weights in device memory (keep: as stored)",
+        resume=Refused("the frozen weights the adapters are trained against"))
     remat: Literal["none", "full", "dots", "dots_no_batch", "projections", "offload"] = option(
         "dots", "rematerialisation policy of the scanned layer: dots keeps matmul outputs and recomputes the "
                 "elementwise work (faster than none on CPU, and less memory); full keeps only layer inputs (least "
                 "memory); projections keeps the attention projections but no attention internals (for long "
                 "sequences with --attention xla); offload keeps layer inputs in host memory where the backend "
-                "supports it")
+                "supports it",
+        resume=Allowed("memory/speed only, same function"))
     attention: Literal["auto", "xla", "blockwise"] = option(
         "auto", "attention without a cache: xla materialises [seq, seq] scores; blockwise (flash-style, memory "
-                "linear in seq) computes them block by block; auto: blockwise from --seq-len 2048 on or with cp > 1")
+                "linear in seq) computes them block by block; auto: blockwise from --seq-len 2048 on or with cp > 1",
+        resume=Allowed("memory/speed only, same function"))
     loss_chunk: int = option(2048, "positions per chunk of the LM head + cross-entropy, so [seq, vocab] logits are "
                                    "never held at once; a sequence (per cp device) of at most this many positions "
-                                   "takes the plain loss, which needs less memory then (0: always plain)")
+                                   "takes the plain loss, which needs less memory then (0: always plain)",
+                             resume=Allowed("memory/speed only, same function"))
     mlp_chunk: int = option(4096, "positions per chunk of the MLP (per device of the cp axis) when a sequence is "
-                                  "longer (0: never chunk)")
+                                  "longer (0: never chunk)",
+                            resume=Allowed("memory/speed only, same function"))
     # checkpoints and logging
-    checkpoint_every: int = option(100, "save a checkpoint every N steps (and at the end)")
-    keep_checkpoints: int = option(3, "keep the newest N checkpoints")
-    resume: bool = option(False, "continue from the newest checkpoint in --out")
-    overwrite: bool = option(False, "start a new run in a non-empty --out, deleting the run it holds")
+    checkpoint_every: int = option(100, "save a checkpoint every N steps (and at the end)",
+                                   resume=Allowed("when to save"))
+    keep_checkpoints: int = option(3, "keep the newest N checkpoints", resume=Allowed("how many to keep"))
+    resume: bool = option(False, "continue from the newest checkpoint in --out",
+                          resume=NotCompared("how this invocation treats the run directory"))
+    overwrite: bool = option(False, "start a new run in a non-empty --out, deleting the run it holds",
+                             resume=NotCompared("how this invocation treats the run directory"))
     stop_after: int = option(0, "end this invocation after N more steps, with a checkpoint (e.g. to fit a job's "
-                                "time limit); --resume continues the same schedule (0: run to --steps)")
-    log_every: int = option(1, "write metrics every N steps")
-    progress: bool = option(True, "show a progress bar (--no-progress to hide it)")
+                                "time limit); --resume continues the same schedule (0: run to --steps)",
+                             resume=Allowed("this invocation's length"))
+    log_every: int = option(1, "write metrics every N steps", resume=Allowed("how often to log"))
+    progress: bool = option(True, "show a progress bar (--no-progress to hide it)", resume=Allowed("display only"))
     # planning without hardware
     plan: bool = option(False, "compile the train step from abstract shapes on the current devices and print "
-                               "the per-device memory plan; loads no weights and trains nothing")
-    model_config: str | None = option(None, "with --plan: a HF config.json instead of --model")
+                               "the per-device memory plan; loads no weights and trains nothing",
+                        resume=Allowed("planning only"), plan_only=True)
+    model_config: str | None = option(None, "with --plan: a HF config.json instead of --model",
+                                      resume=Allowed("planning only"), plan_only=True)
     hbm_gb: float = option(192.0, "with --plan: memory of one device in GB (MI300X: 192); the plan is judged against "
-                                  "the part JAX's allocator lets a run use (XLA_CLIENT_MEM_FRACTION, default 0.75)")
+                                  "the part JAX's allocator lets a run use (XLA_CLIENT_MEM_FRACTION, default 0.75)",
+                           resume=Allowed("planning only"), plan_only=True)
     fit: bool = option(False, "with --plan: try --remat, --grad-accum and --mesh settings, fastest first, and print "
-                              "the first that fits as a command line")
+                              "the first that fits as a command line",
+                       resume=Allowed("planning only"), plan_only=True)
+    # plan-only: a quantized base is a property of the converted checkpoint a run trains on, never an option of the run
     quantize: Literal["none", "nf4", "int8"] = option("none", "with --plan --model-config: plan a base quantized "
                                                               "this way (convert-llama --quantize); a quantized "
-                                                              "--model says so itself")
-    quant_block: int = option(64, "with --plan --quantize: values per scale (convert-llama --quant-block)")
-    show_sharding: bool = option(False, "print each parameter's sharding and per-device bytes, then continue")
+                                                              "--model says so itself",
+                                                      resume=Allowed("planning only"), plan_only=True)
+    quant_block: int = option(64, "with --plan --quantize: values per scale (convert-llama --quant-block)",
+                              resume=Allowed("planning only"), plan_only=True)
+    show_sharding: bool = option(False, "print each parameter's sharding and per-device bytes, then continue",
+                                 resume=Allowed("display only"), plan_only=True)
 
     def attention_impl(self, cp: int = 1) -> str:
         """The attention implementation `--attention` names; `auto` resolved for this run's shape."""

@@ -1,4 +1,5 @@
-"""docs/config.md from TrainConfig: every finetune-lora option, its YAML key, type, default and meaning.
+"""docs/config.md from TrainConfig: every finetune-lora option, its YAML key, type, default, what a `--resume` may
+do with it, and its meaning.
 
     python -m finetune.config_doc > docs/config.md
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, get_args, get_origin, get_type_hints
 
-from finetune.config import SECTIONS, TrainConfig, flag_of, scalar_type
+from finetune.config import SECTIONS, Allowed, NotCompared, Refused, TrainConfig, flag_of, scalar_type
 
 HEADER = """# finetune-lora options
 
@@ -19,6 +20,11 @@ Every option is a command-line flag and a key of the YAML file given with `--con
 the flags, with `-` or `_`); flags given on the command line override the file. Booleans are switched
 with `--name` / `--no-name` on the command line and `true` / `false` in YAML; `targets` may be a YAML
 list. `finetune-lora --help` lists the same options in the same sections.
+
+The "on --resume" column says whether `--resume` accepts the option with a value other than the run's:
+*refused* for what the stored checkpoints and data position depend on (the resume stops and names each
+such change), *allowed* for the rest (each change is recorded in `RUN/resumes.jsonl`), and — where it is not
+compared: the options that say where the run is and how this invocation treats it.
 
 ```yaml
 # run.yaml: finetune-lora --config run.yaml [--steps 1000 ...]
@@ -46,15 +52,21 @@ def _flags(name: str, kind) -> str:
     return f"`{flag}` / `--no-{flag_of(name)}`" if kind is bool else f"`{flag}`"
 
 
+ON_RESUME = {Refused: "refused", Allowed: "allowed", NotCompared: "—"}
+
+
 def config_markdown() -> str:
     hints = get_type_hints(TrainConfig)
     out = [HEADER]
     for f in dataclasses.fields(TrainConfig):
         if f.name in SECTIONS:
-            out.append(f"\n## {SECTIONS[f.name]}\n\n| option | YAML key | type | default | meaning |\n|---|---|---|---|---|")
+            out.append(f"\n## {SECTIONS[f.name]}\n\n| option | YAML key | type | default | on --resume | meaning |\n"
+                       "|---|---|---|---|---|---|")
         default = "—" if f.default is None else f"`{f.default}`"
+        on_resume = ON_RESUME[type(f.metadata["resume"])]
         meaning = f.metadata["help"].replace("|", "\\|")
-        out.append(f"| {_flags(f.name, hints[f.name])} | `{f.name}` | {_type_name(hints[f.name])} | {default} | {meaning} |")
+        out.append(f"| {_flags(f.name, hints[f.name])} | `{f.name}` | {_type_name(hints[f.name])} | {default} | "
+                   f"{on_resume} | {meaning} |")
     return "\n".join(out) + "\n"
 
 

@@ -58,7 +58,7 @@ def tokenizer(tiny_converted):
 @pytest.fixture
 def default_allocator(monkeypatch):
     """None of JAX's allocator variables set: plans judged against the default usable memory."""
-    from finetune import allocator
+    from finetune.planning import allocator
 
     for name in (allocator.FRACTION, allocator.FRACTION_DEPRECATED, allocator.PREALLOCATE, allocator.ALLOCATOR):
         monkeypatch.delenv(name, raising=False)

@@ -11,10 +11,10 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 from finetune.config import TrainConfig  # noqa: E402
-from finetune.data import row_indices  # noqa: E402
-from finetune.step import loss_and_grads  # noqa: E402
-from finetune.setup import setup  # noqa: E402
-from finetune.train import global_batch  # noqa: E402
+from finetune.data.order import row_indices  # noqa: E402
+from finetune.step.train_step import loss_and_grads  # noqa: E402
+from finetune.train.build import setup  # noqa: E402
+from finetune.train.loop import global_batch  # noqa: E402
 
 
 def main(model, data, out, port, process_id, mesh="dp=2,fsdp=4,mp=1"):

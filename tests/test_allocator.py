@@ -2,8 +2,8 @@
 
 import pytest
 
-from finetune.planning import TEMPORARIES_MARGIN, PlanReport
-from finetune.allocator import AllocatorSettingError, UsableMemory, fraction_to_fit, usable_memory
+from finetune.planning.plan import TEMPORARIES_MARGIN, PlanReport
+from finetune.planning.allocator import AllocatorSettingError, UsableMemory, fraction_to_fit, usable_memory
 
 GB = 1e9
 

@@ -90,6 +90,7 @@ def numpy_attention(q_btnh, k_bskh, v_bskh, q_seg_bt, kv_seg_bs, q_offset) -> np
     return out
 
 
+@pytest.mark.slow
 @settings(max_examples=12)
 @given(case=attention_cases())
 def test_plain_path_equals_numpy(case):
@@ -101,6 +102,7 @@ def test_plain_path_equals_numpy(case):
     assert_close(np.asarray(out)[real], expected[real])
 
 
+@pytest.mark.slow
 @settings(max_examples=25)
 @given(case=attention_cases())
 def test_blockwise_equals_plain_path(case):
@@ -149,6 +151,7 @@ def visited_blocks(monkeypatch, case: dict, **kw) -> tuple[set, set]:
 
 @pytest.mark.parametrize("t, s, q_offset, bq, bk", [(40, 40, 0, 8, 8), (37, 50, 0, 8, 5), (20, 64, 30, 7, 9),
                                                     (9, 40, 0, 4, 16)])
+@pytest.mark.slow
 def test_key_blocks_after_the_diagonal_are_not_computed(monkeypatch, t, s, q_offset, bq, bk):
     """Exactly the block pairs with a key visible (by index) to a query are computed, in both passes."""
     rng = np.random.default_rng(0)
@@ -162,6 +165,7 @@ def test_key_blocks_after_the_diagonal_are_not_computed(monkeypatch, t, s, q_off
     assert len(needed) < -(-t // bq) * -(-s // bk)  # some blocks are skipped in every case here
 
 
+@pytest.mark.slow
 def test_traced_query_offset_under_jit():
     """A context-parallel shard passes its offset as a traced value; the result is the static one's."""
     rng = np.random.default_rng(1)
@@ -183,6 +187,7 @@ def test_traced_query_offset_under_jit():
         assert all(np.isfinite(np.asarray(g)).all() for g in grads)
 
 
+@pytest.mark.slow
 def test_bf16_error_is_within_one_bf16_epsilon_like_the_plain_paths():
     """bf16 inputs: against float32 attention on the same bf16 values, both paths' outputs and gradients
     are within one bf16 epsilon (2**-7) of the largest entry, i.e. within the final rounding (measured
@@ -237,6 +242,7 @@ def gradient_temp_bytes(impl: str, t: int) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_blockwise_gradient_memory_grows_linearly():
     """4x the sequence: the plain path's temporaries grow ~16x (the scores), the blockwise path's well
     under 8x (measured: 512 -> 2048 positions, plain 8.8 -> 138 MiB, blockwise 1.8 -> 4.1 MiB)."""

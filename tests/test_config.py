@@ -1,5 +1,6 @@
 """LlamaConfig.from_hf: both config dialects, defaults, and clear errors. TrainConfig.validate: every numeric
-finetune-lora option refused out of its range at parse time, and a LoRA rank the model's layers cannot hold."""
+finetune-lora option refused out of its range at parse time, and a LoRA rank the model's layers cannot hold.
+TrainConfig's fields: each declares its resume policy, and the sets the run and --fit use follow the declarations."""
 
 import dataclasses
 import json
@@ -11,7 +12,9 @@ from strategies import llama_configs
 from transformers import LlamaConfig as HFLlamaConfig
 
 from finetune.cli import main
-from finetune.config import OPTION_RANGES, ConfigFileError, TrainConfig
+from finetune.config import OPTION_RANGES, Allowed, ConfigFileError, NotCompared, Refused, TrainConfig, option
+from finetune.planning.fit import PLAN_ONLY
+from finetune.run.policy import IMMUTABLE, MUTABLE, NOT_COMPARED
 from jaxmodel.config import ConfigError, LlamaConfig, RopeConfig
 
 LLAMA_31_8B = {
@@ -176,8 +179,37 @@ def test_a_rank_larger_than_a_layer_is_refused_before_the_run_dir_exists(tmp_pat
 
 
 def test_the_largest_rank_a_layer_holds_is_accepted(tiny_converted):
-    from finetune.setup import check_rank
+    from finetune.step.checks import check_rank
 
     llama = LlamaConfig.from_hf(tiny_converted)
     check_rank(TrainConfig(model="m", data="d", out="o", rank=32).validate(), llama)
     check_rank(TrainConfig(model="m", data="d", out="o", rank=64, targets="q_proj,o_proj").validate(), llama)
+
+
+# ---- each option's policy, declared beside it ----------------------------------------------------------
+
+
+def test_every_option_declares_one_resume_policy_and_the_derived_sets_follow_it():
+    declared = {Refused: {}, Allowed: {}, NotCompared: {}}
+    for f in dataclasses.fields(TrainConfig):
+        policy = f.metadata["resume"]
+        assert type(policy) in declared and policy.why, f.name
+        declared[type(policy)][f.name] = policy.why
+        assert isinstance(f.metadata["plan_only"], bool), f.name
+    assert IMMUTABLE == declared[Refused]
+    assert MUTABLE == declared[Allowed]
+    assert NOT_COMPARED == tuple(declared[NotCompared])
+    assert set(PLAN_ONLY) == {f.name for f in dataclasses.fields(TrainConfig) if f.metadata["plan_only"]}
+    # a plan-only option describes no part of the run, so a resume has nothing to refuse it for
+    assert all(isinstance(TrainConfig.__dataclass_fields__[name].metadata["resume"], Allowed) for name in PLAN_ONLY)
+
+
+def test_an_option_without_a_resume_policy_cannot_be_defined():
+    with pytest.raises(TypeError, match="resume"):
+        @dataclasses.dataclass(frozen=True)
+        class Config:
+            new_option: int = option(1, "a new option")
+    with pytest.raises(TypeError, match="resume= must be Refused, Allowed or NotCompared with a reason"):
+        option(1, "a new option", resume="allowed")
+    with pytest.raises(TypeError, match="resume= must be Refused, Allowed or NotCompared with a reason"):
+        option(1, "a new option", resume=Refused(""))

@@ -11,10 +11,10 @@ from isolation import run_multihost_worker
 
 from finetune.cli import main
 from finetune.config import TrainConfig
-from finetune.data import row_indices
-from finetune.setup import setup
-from finetune.step import loss_and_grads
-from finetune.train import global_batch
+from finetune.data.order import row_indices
+from finetune.train.build import setup
+from finetune.step.train_step import loss_and_grads
+from finetune.train.loop import global_batch
 from jaxmodel.context_parallel import cp_order
 
 
@@ -77,6 +77,7 @@ def assert_same(got, reference):
     ("dp=1,fsdp=2,cp=4,mp=1", dict(attention="xla", loss_chunk=0, mlp_chunk=2)),
     ("dp=2,fsdp=1,cp=2,mp=2", dict(attention="auto")),
 ])
+@pytest.mark.slow
 def test_same_loss_and_grads_as_one_plain_device(tmp_path, tiny_converted, data_file, reference, mesh, options):
     devices = jax.devices()[:1] if mesh == "dp=1,fsdp=1,mp=1" else jax.devices()
     assert_same(grads_on(tiny_converted, data_file, tmp_path, mesh, devices, **options), reference)
@@ -91,6 +92,7 @@ def test_weights_stay_sharded_over_every_device_with_cp(tmp_path, tiny_converted
     assert weight.sharding.shard_shape(weight.shape)[2] == weight.shape[2] // 8
 
 
+@pytest.mark.e2e
 def test_two_processes_with_cp_match_one_device(tmp_path, tiny_converted, data_file, reference):
     run_multihost_worker(tiny_converted, data_file, tmp_path, "dp=1,fsdp=2,cp=4,mp=1")
     got = np.load(tmp_path / "grads.npz")

@@ -317,6 +317,7 @@ def write_big_checkpoint(directory: Path) -> int:
     return max(int(np.prod(s)) * 2 for s in shapes.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, itemsize", [("keep", 2), ("float32", 4)])  # kernel copy; chunked read + cast
 def test_peak_memory_stays_below_twice_the_largest_tensor(tmp_path, dtype, itemsize):
     """The converter holds a few 64 MB chunks at a time, not the checkpoint: measured growth 0.64x the

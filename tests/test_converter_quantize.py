@@ -68,6 +68,7 @@ def test_manifest_and_stored_codes_are_bitsandbytes(tiny_checkpoint, tmp_path, c
     assert verify(out) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme, block", [("nf4", 8), ("int8", 16)])
 def test_converted_quantized_loads_as_the_in_memory_quantized_model(tiny_checkpoint, tiny_converted, nf4_converted,
                                                                      tmp_path, scheme, block):

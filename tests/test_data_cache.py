@@ -18,14 +18,15 @@ import pytest
 
 from conftest import write_jsonl
 
-import finetune.data_cache
-import finetune.tokenization
-from finetune.data import DataError
-from finetune.data_cache import (DIGEST_FILE, cache_key, cache_root, cached_tokenization, key_name, load_tokenized,
+import finetune.data.cache
+import finetune.data.workers
+from finetune.data.rows import DataError
+from finetune.data.cache import (DIGEST_FILE, cache_key, cache_root, cached_tokenization, key_name, load_tokenized,
                                  loaded_tokenizer_digest, tokens_digest)
-from finetune.data_sources import open_source
-from finetune.layouts import AUTO
-from finetune.tokenization import TokenizedData, tokenize_to_store
+from finetune.data.sources import open_source
+from finetune.data.layouts import AUTO
+from finetune.data.store import TokenizedData
+from finetune.data.workers import tokenize_to_store
 
 ROWS = [{"text": "the quick brown fox"}, {"prompt": "add 2 + 3 =", "completion": " 5"},
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
@@ -137,8 +138,8 @@ def test_a_build_that_fails_midway_leaves_no_entry(tmp_path, tokenizer, monkeypa
             raise RuntimeError("disk full")
         original(self, values)
 
-    original = finetune.tokenization._NpyAppender.append
-    monkeypatch.setattr(finetune.tokenization._NpyAppender, "append", failing_append)
+    original = finetune.data.store.NpyAppender.append
+    monkeypatch.setattr(finetune.data.store.NpyAppender, "append", failing_append)
     with pytest.raises(RuntimeError, match="disk full"):
         load_tokenized(open_source(str(data)), tokenizer, 32, AUTO, cache=str(cache))
     assert entries(cache) == []  # neither an entry nor a temporary directory
@@ -150,8 +151,8 @@ def test_a_build_that_fails_midway_leaves_no_entry(tmp_path, tokenizer, monkeypa
 SCRIPT = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from finetune.data_cache import cached_tokenization
-    from finetune.tokenization import tokenize_to_store
+    from finetune.data.cache import cached_tokenization
+    from finetune.data.workers import tokenize_to_store
 
     root, builds, pause = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
 
@@ -243,7 +244,7 @@ def test_the_digest_is_sha256_of_the_boundaries_ids_and_targets_in_chunks(monkey
     rng = np.random.default_rng(0)
     starts = np.array([0, 3, 3, 10, 17])
     data = in_memory(rng.integers(0, 500, 17), rng.integers(0, 2, 17), starts)
-    monkeypatch.setattr(finetune.data_cache, "HASH_CHUNK_BYTES", 8)
+    monkeypatch.setattr(finetune.data.cache, "HASH_CHUNK_BYTES", 8)
     whole = hashlib.sha256(b"starts <i8 5\n" + starts.astype("<i8").tobytes() + b"ids <i4 17\n"
                            + data.ids.astype("<i4").tobytes() + b"trained |b1 17\n" + data.trained.tobytes())
     assert tokens_digest(data) == f"sha256:{whole.hexdigest()}"
@@ -288,7 +289,7 @@ def test_the_digest_is_computed_once_per_entry(tmp_path, tokenizer, monkeypatch)
     data = write_jsonl(tmp_path / "d.jsonl", ROWS)
     built = load(data, tokenizer, tmp_path / "cache")
     with monkeypatch.context() as m:
-        m.setattr(finetune.data_cache, "tokens_digest", lambda data: pytest.fail("hashed on a hit"))
+        m.setattr(finetune.data.cache, "tokens_digest", lambda data: pytest.fail("hashed on a hit"))
         assert load(data, tokenizer, tmp_path / "cache").digest == built.digest
     (built.directory / DIGEST_FILE).unlink()
     again = load(data, tokenizer, tmp_path / "cache")

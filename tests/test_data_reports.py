@@ -12,8 +12,9 @@ from conftest import write_jsonl
 
 from finetune.cli import main
 from finetune.config import TrainConfig
-from finetune.data import DataError, build_rows, read_rows, tokenize
-from finetune.setup import load_data
+from finetune.data.reference import build_rows, read_rows, tokenize
+from finetune.data.rows import DataError
+from finetune.data.prepare import load_data
 
 # Two adapters per layer and no rematerialisation: the one run here compiles faster (what it checks does
 # not depend on either).
@@ -41,10 +42,11 @@ def short(i):
 
 # ---- truncation and lost targets ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_truncated_examples_and_lost_targets_are_counted_in_one_warning(tmp_path, tiny_converted, capsys, monkeypatch):
-    import finetune.train
+    import finetune.train.loop
 
-    monkeypatch.setattr(finetune.train, "measure_peak_flops", lambda dtype: 1e12)  # MFU is not under test
+    monkeypatch.setattr(finetune.train.loop, "measure_peak_flops", lambda dtype: 1e12)  # MFU is not under test
     data = write_jsonl(tmp_path / "d.jsonl", [short(1), short(2), {"text": LONG_TEXT}, short(3),
                                               {"prompt": LONG_TEXT, "completion": " yes"}, short(4),
                                               {"prompt": "q", "completion": LONG_TEXT},
@@ -116,11 +118,12 @@ class RecordingTokenizer:
 
 
 def assert_same_rows(taken, rows):
-    """`taken` (a dict of arrays, from `take`) holds the same rows as `rows` (a finetune.data.Rows)."""
+    """`taken` (a dict of arrays, from `take`) holds the same rows as `rows` (a finetune.data.reference.Rows)."""
     for name in ("input_ids", "targets", "loss_mask", "segment_ids", "positions"):
         np.testing.assert_array_equal(taken[name], getattr(rows, name), err_msg=name)
 
 
+@pytest.mark.slow
 def test_a_giant_row_is_tokenized_only_as_far_as_seq_len_needs(tmp_path, tokenizer):
     """A 2 MB line: the training rows equal those of the whole line tokenized, and the tokenizer is never
     handed more than a few thousand characters."""
@@ -198,6 +201,7 @@ def test_tokens_near_a_cut_are_dropped_when_the_tokenizer_merges_across_it():
     + [{"role": r, "content": "the fox"} for r in ["user", "assistant"]] * 200,
     [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 300,
 ], ids=["long user turn", "long assistant turn", "many turns", "many tiny turns"])
+@pytest.mark.slow
 def test_capped_chats_equal_the_first_tokens_of_the_whole_chat(tokenizer, conversation):
     rows = [("c.jsonl:1", {"messages": conversation})]
     recording = RecordingTokenizer(tokenizer)

@@ -11,9 +11,9 @@ import pytest
 
 from conftest import write_jsonl
 
-from finetune import data_sources
-from finetune.data import DataError
-from finetune.data_sources import open_source
+from finetune.data import sources as data_sources
+from finetune.data.rows import DataError
+from finetune.data.sources import open_source
 
 ROWS = [{"text": f"row {i}", "n": i} for i in range(23)]
 

@@ -5,6 +5,7 @@ import pytest
 from demo.cli import LOGIT_TOLERANCE, build_parser, run_demo
 
 
+@pytest.mark.e2e
 def test_demo_pipeline_trains_and_peft_serves_the_same_model(tmp_path, capfd):
     args = build_parser().parse_args(["--out", str(tmp_path / "demo"), "--layers", "2", "--test-size", "40",
                                       "--", "--steps", "40", "--eval-every", "20", "--no-progress"])
@@ -75,6 +76,7 @@ def test_bad_demo_options_are_one_line_errors(tmp_path, capsys, args, message):
     assert not (tmp_path / "demo").exists()
 
 
+@pytest.mark.e2e
 def test_demo_on_an_nf4_base_scores_the_same_on_the_unquantized_base(tmp_path, capfd):
     """QLoRA: adapters trained to convergence on the NF4 base answer the held-out prompts as well on the
     unquantized base (PEFT, in PyTorch) as on the NF4 base they trained on (JAX): within 5 points. Half-trained

@@ -20,7 +20,7 @@ from demo.tiny import build_tiny_llama
 from export.cli import main as export_main
 from jaxmodel.formats.peft_adapter import AdapterError, load_peft_adapter, save_peft_adapter
 from finetune.config import TrainConfig
-from finetune.train import run_training
+from finetune.train.loop import run_training
 from jaxmodel import load_pretrained
 from jaxmodel.layers import LoRAParam
 from jaxmodel.lora import ALL_TARGETS, LoraConfig, apply_lora
@@ -71,6 +71,7 @@ def peft_logits(hf_dir, adapter_dir) -> tuple[np.ndarray, np.ndarray, list]:
 
 @pytest.mark.parametrize("lora_kw", [{}, {"rslora": True, "alpha": 8.0, "rank": 4},
                                      {"targets": ("q_proj", "v_proj", "down_proj")}])
+@pytest.mark.slow
 def test_peft_serves_our_adapter_with_identical_outputs(tmp_path, tiny_checkpoint, tiny_converted, lora_kw):
     lora_config = LoraConfig(**lora_kw)
     model = jax_lora_model(tiny_converted, lora_config)
@@ -177,6 +178,7 @@ def run_dir(tiny_converted, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_export_peft_cli_from_a_run(tmp_path, run_dir, tiny_checkpoint, tiny_converted, capsys):
     assert export_main(["--run", str(run_dir), "--out", str(tmp_path / "adapter"), "--base-model",
                         str(tiny_checkpoint)]) == 0
@@ -224,6 +226,7 @@ def test_run_config_with_unknown_options_is_one_line(tmp_path, run_dir, capsys):
     assert not (tmp_path / "adapter").exists()
 
 
+@pytest.mark.slow
 def test_finetune_can_start_from_a_peft_adapter(tmp_path, run_dir, tiny_checkpoint, tiny_converted):
     hf = HFLlamaForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
     get_peft_model(hf, PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
@@ -242,6 +245,7 @@ def test_finetune_can_start_from_a_peft_adapter(tmp_path, run_dir, tiny_checkpoi
         np.testing.assert_allclose(again[name], first[name], atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shard_size", ["5GB", "100KB"])
 def test_merged_checkpoint_loads_in_transformers_with_the_lora_logits(tmp_path, run_dir, tiny_converted, shard_size,
                                                                       capsys):
@@ -254,7 +258,7 @@ def test_merged_checkpoint_loads_in_transformers_with_the_lora_logits(tmp_path, 
     merged = HFLlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = merged(torch.tensor(IDS)).logits.numpy()
-    from finetune.run_dir import load_run
+    from finetune.run.reading import load_run
 
     lora, config, _ = load_run(run_dir)
     model = load_pretrained(tiny_converted)

@@ -14,7 +14,7 @@ from converter import convert
 from demo.tiny import build_tiny_llama
 from export.cli import main as export_main
 from finetune.config import TrainConfig
-from finetune.train import run_training
+from finetune.train.loop import run_training
 
 IDS = np.random.default_rng(5).integers(6, 512, (2, 19))
 
@@ -53,6 +53,7 @@ def files(directory) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
+@pytest.mark.slow
 def test_adapter_is_the_one_an_unquantized_base_gives_and_its_card_names_the_quantization(tmp_path, nf4_run,
                                                                                           converted):
     bf16_run = same_run_on(nf4_run, converted / "bf16", tmp_path)

@@ -16,11 +16,11 @@ from jax.sharding import PartitionSpec as P
 from conftest import stderr_lines
 from finetune.cli import main
 from finetune.config import TrainConfig
-from finetune.data import row_indices
-from finetune.run_dir import load_run, read_run_config
-from finetune.setup import setup
-from finetune.step import loss_and_grads, split_model
-from finetune.train import global_batch, run_training
+from finetune.data.order import row_indices
+from finetune.run.reading import load_run, read_run_config
+from finetune.train.build import setup
+from finetune.step.train_step import loss_and_grads, split_model
+from finetune.train.loop import global_batch, run_training
 from jaxmodel import load_pretrained
 from jaxmodel.lora import apply_lora
 
@@ -49,6 +49,7 @@ def flat(state) -> dict[str, np.ndarray]:
     return {".".join(map(str, k)): np.asarray(jax.device_get(v[...])) for k, v in nnx.to_flat_state(state)}
 
 
+@pytest.mark.slow
 def test_only_lora_trains_and_the_loss_falls(tmp_path, tiny_converted, data_file):
     run = setup(config(tiny_converted, data_file, tmp_path / "run", steps=30, lr=1e-2, schedule="constant"))
     base_before = flat(run.base)
@@ -129,15 +130,16 @@ def independent_eval_loss(tiny_converted, run_dir: Path, steps: tuple[int, ...],
     return losses
 
 
+@pytest.mark.slow
 def test_metrics_eval_loss_and_tensorboard(tmp_path, tiny_converted, data_file, monkeypatch):
     """Each record's tokens/s is the step's tokens over its time (one clock tick here), its MFU the model
     FLOPs counted by hand over the peak (fixed here), and each eval loss that of the held-out rows
     evaluated independently with the LoRA checkpointed at the same step."""
-    import finetune.train
+    import finetune.train.loop
 
     peak_per_device, tick = 1e9, 0.25
-    monkeypatch.setattr(finetune.train, "measure_peak_flops", lambda dtype: peak_per_device)
-    monkeypatch.setattr(finetune.train, "time", TickingClock(tick))
+    monkeypatch.setattr(finetune.train.loop, "measure_peak_flops", lambda dtype: peak_per_device)
+    monkeypatch.setattr(finetune.train.loop, "time", TickingClock(tick))
     out = tmp_path / "run"
     summary = run_training(config(tiny_converted, data_file, out, steps=4, eval_fraction=0.25, eval_every=2,
                                   checkpoint_every=2, **FAST_COMPILE))
@@ -160,6 +162,7 @@ def test_metrics_eval_loss_and_tensorboard(tmp_path, tiny_converted, data_file, 
     assert str(summary).startswith("trained 4 steps, loss ")
 
 
+@pytest.mark.slow
 def test_training_with_lora_dropout(tmp_path, tiny_converted, data_file):
     summary = run_training(config(tiny_converted, data_file, tmp_path / "run", steps=12, lr=1e-2, lora_dropout=0.1,
                            schedule="constant"))
@@ -185,6 +188,7 @@ def reference_grads(tiny_converted, data_file, tmp_path_factory):
 
 @pytest.mark.parametrize("mesh, accum", [("dp=1,fsdp=8,mp=1", 1), ("dp=2,fsdp=4,mp=1", 1), ("dp=2,fsdp=2,mp=2", 1),
                                          ("dp=1,fsdp=4,mp=2", 2)])
+@pytest.mark.slow
 def test_same_loss_and_grads_on_every_mesh(tmp_path, tiny_converted, data_file, reference_grads, mesh, accum):
     loss, tokens, grads = grads_on(tiny_converted, data_file, tmp_path, mesh, jax.devices(), grad_accum=accum)
     ref_loss, ref_tokens, ref_grads = reference_grads
@@ -211,9 +215,9 @@ RESUMED = {"steps": 4, "lora_dropout": 0.1, "grad_accum": 2, "mesh": "dp=1,fsdp=
 
 def skip_peak_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fixed peak FLOP/s instead of seconds of timed matmuls per run, where MFU is not under test."""
-    import finetune.train
+    import finetune.train.loop
 
-    monkeypatch.setattr(finetune.train, "measure_peak_flops", lambda dtype: 1e12)
+    monkeypatch.setattr(finetune.train.loop, "measure_peak_flops", lambda dtype: 1e12)
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +242,7 @@ def assert_same_run(expected: Path, got: Path) -> None:
         np.testing.assert_array_equal(value, flat(lora_b)[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_resume_with_dropout_and_accumulation_continues_exactly(tmp_path, tiny_converted, data_file, uninterrupted,
                                                                monkeypatch):
     """Two steps, a checkpoint, then `resume=True` for the other two: the same run bit for bit."""
@@ -248,6 +253,7 @@ def test_resume_with_dropout_and_accumulation_continues_exactly(tmp_path, tiny_c
     assert_same_run(uninterrupted, resumed)
 
 
+@pytest.mark.slow
 def test_cli_resume_from_a_yaml_config_continues_exactly(tmp_path, tiny_converted, data_file, uninterrupted, capsys,
                                                         monkeypatch):
     """`finetune-lora --config run.yaml --stop-after 2`, then `--config run.yaml --resume`: the same run bit
@@ -268,6 +274,7 @@ def test_cli_resume_from_a_yaml_config_continues_exactly(tmp_path, tiny_converte
     assert_same_run(uninterrupted, resumed)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, tiny_converted, data_file):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "finetune.cli", "--model", str(tiny_converted), "--data", str(data_file), "--out",
@@ -287,6 +294,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, tiny_converted, 
     assert saved == [steps_done]
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny_converted, data_file, capsys):
     code = main(["--model", str(tiny_converted), "--data", str(data_file), "--out", str(tmp_path / "run"),
                  "--steps", "20", "--batch-size", "8", "--seq-len", "32", "--dtype", "float32", "--lr", "1e30",
@@ -359,6 +367,7 @@ def test_help_documents_every_option_and_default(capsys):
     assert "(default: dp=1,fsdp=-1,mp=1)" in text and "(default: 8)" in text
 
 
+@pytest.mark.e2e
 def test_two_processes_over_loopback_match_one_device(tmp_path, tiny_converted, data_file, reference_grads):
     from isolation import run_multihost_worker
 
@@ -370,6 +379,7 @@ def test_two_processes_over_loopback_match_one_device(tmp_path, tiny_converted, 
         np.testing.assert_allclose(got[name], g, atol=1e-5, rtol=0, err_msg=name)
 
 
+@pytest.mark.slow
 def test_training_needs_neither_torch_nor_peft(tiny_converted, data_file, tmp_path):
     """finetune-lora runs in a rocm/jax container without torch (the [train] extra has none)."""
     from isolation import run_without

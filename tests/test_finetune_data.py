@@ -10,8 +10,10 @@ import pytest
 from conftest import write_jsonl
 
 from finetune.config import TrainConfig
-from finetune.data import DataError, Example, build_rows, read_rows, row_indices, tokenize
-from finetune.setup import load_data
+from finetune.data.order import row_indices
+from finetune.data.reference import build_rows, read_rows, tokenize
+from finetune.data.rows import DataError, Example
+from finetune.data.prepare import load_data
 from jaxmodel import load_pretrained
 
 
@@ -73,6 +75,7 @@ def test_packing_keeps_documents_apart():
     assert len(padded) == 2 and padded.segment_ids[1].tolist() == [1, 1, 0, 0, 0, 0, 0, 0]
 
 
+@pytest.mark.slow
 def test_a_packed_document_sees_only_itself(tiny_converted):
     model = load_pretrained(tiny_converted)
     rng = np.random.default_rng(0)

@@ -23,6 +23,7 @@ def prompts():
     return np.random.default_rng(3).integers(6, 512, (2, 9))
 
 
+@pytest.mark.slow
 def test_greedy_with_cache_equals_argmax_of_full_forward(model, prompts):
     out = generate(model, prompts, 12, eos_token_id=())
     forward = jax.jit(lambda m, ids: m(ids))
@@ -33,6 +34,7 @@ def test_greedy_with_cache_equals_argmax_of_full_forward(model, prompts):
     np.testing.assert_array_equal(out, ids)
 
 
+@pytest.mark.slow
 def test_greedy_equals_transformers_greedy(model, prompts, tiny_checkpoint):
     hf = HFLlamaForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -41,6 +43,7 @@ def test_greedy_equals_transformers_greedy(model, prompts, tiny_checkpoint):
     np.testing.assert_array_equal(generate(model, prompts, 16, eos_token_id=()), expected)
 
 
+@pytest.mark.slow
 def test_left_padded_prompts_decode_as_if_alone(model, prompts):
     short = prompts[1, 4:]
     padded = np.stack([prompts[0], np.concatenate([np.full(4, 5), short])])
@@ -50,6 +53,7 @@ def test_left_padded_prompts_decode_as_if_alone(model, prompts):
     np.testing.assert_array_equal(together[1, 9:], alone[0, 5:])
 
 
+@pytest.mark.slow
 def test_rows_stop_at_eos_and_pad_afterwards(model, prompts):
     greedy = generate(model, prompts, 10, eos_token_id=())
     eos = int(greedy[0, 9 + 3])  # make row 0's fourth new token the stop token
@@ -58,6 +62,7 @@ def test_rows_stop_at_eos_and_pad_afterwards(model, prompts):
     assert (out[0, 9 + 4:] == 5).all()
 
 
+@pytest.mark.slow
 def test_sampling_is_seeded_and_top_p_narrows_to_greedy(model, prompts):
     a = generate(model, prompts, 10, temperature=1.0, seed=7, eos_token_id=())
     b = generate(model, prompts, 10, temperature=1.0, seed=7, eos_token_id=())

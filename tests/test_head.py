@@ -1,6 +1,7 @@
 """The LM head: its LoRA adapter counts (as PEFT's on lm_head does), and the hidden-state / head split
 the chunked loss uses gives the model's logits."""
 
+import pytest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +14,7 @@ CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hi
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 
 
+@pytest.mark.slow
 def test_lm_head_adapter_equals_merged_weight():
     model = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0))
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 12)), jnp.int32)
@@ -29,6 +31,7 @@ def test_lm_head_adapter_equals_merged_weight():
     np.testing.assert_allclose(adapted, np.asarray(model(ids)), atol=1e-5 * np.abs(adapted).max())
 
 
+@pytest.mark.slow
 def test_head_of_hidden_states_is_the_forward():
     model = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0))
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 12)), jnp.int32)

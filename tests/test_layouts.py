@@ -10,9 +10,11 @@ import pytest
 
 from conftest import write_jsonl
 
-from finetune.data import DataError, read_rows, tokenize
-from finetune.data_sources import open_source
-from finetune.layouts import LAYOUTS, canonical, detect
+from finetune.data.reference import read_rows, tokenize
+
+from finetune.data.rows import DataError
+from finetune.data.sources import open_source
+from finetune.data.layouts import LAYOUTS, canonical, detect
 
 ACCEPTED = ("text (text) | prompt-completion (prompt, completion) | messages (messages) | "
             "alpaca (instruction, input (optional), output) | sharegpt (conversations)")

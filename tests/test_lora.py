@@ -24,6 +24,7 @@ def lora_model(**kw) -> LlamaForCausalLM:
     return apply_lora(model, LoraConfig(**kw), rngs=nnx.Rngs(1))
 
 
+@pytest.mark.slow
 def test_fresh_adapters_leave_the_output_unchanged_and_init_like_peft():
     plain = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0))(IDS)
     model = lora_model()
@@ -71,6 +72,7 @@ def test_bad_lora_configs(kw, message):
         LoraConfig(**kw)
 
 
+@pytest.mark.slow
 def test_dropout_touches_only_the_lora_branch_and_only_with_a_key():
     model = lora_model(dropout=0.5)
     plain = model(IDS)
@@ -106,6 +108,7 @@ def test_dropout_is_inverted_dropout_of_the_lora_input(p):
         np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.slow
 def test_lora_stays_float32_on_a_bf16_base():
     model = LlamaForCausalLM(CONFIG, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     apply_lora(model, LoraConfig(), rngs=nnx.Rngs(1))
@@ -118,6 +121,7 @@ def test_lora_stays_float32_on_a_bf16_base():
     (8, P(None, "fsdp", "mp")),  # r carries the fsdp split, the output dimension the mp one
     (2, P(None, None, ("mp", "fsdp"))),  # r = 2 cannot be split 4 ways: the output dimension takes both
 ])
+@pytest.mark.slow
 def test_lora_b_is_split_over_fsdp_even_when_the_rank_is_not(rank, expected_b):
     from jaxmodel.sharding import partition_spec
 

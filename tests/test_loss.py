@@ -120,8 +120,9 @@ def numpy_losses(logits_btv: np.ndarray, targets_bt: np.ndarray) -> np.ndarray:
     return -np.take_along_axis(log_softmax, targets_bt[..., None], -1)[..., 0]
 
 
+@pytest.mark.slow
 def test_reference_is_the_float64_loss_and_finetune_loss_sums():
-    from finetune.step import loss_sums
+    from finetune.step.train_step import loss_sums
 
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(3, 11, 40)) * 4, jnp.float32)
@@ -143,6 +144,7 @@ def test_reference_is_the_float64_loss_and_finetune_loss_sums():
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 @settings(max_examples=12)
 @example(Problem(batch=2, seq=13, chunk=4, vocab=9, hidden=5, rank=2, zero_rows=(True, False), seed=1))
 @example(Problem(batch=1, seq=16, chunk=4, vocab=7, hidden=3, rank=1, zero_rows=(False,), seed=2))
@@ -159,6 +161,7 @@ def test_chunked_equals_full_logits_in_float32(p: Problem):
         assert_close(got, want)
 
 
+@pytest.mark.slow
 def test_padding_of_the_last_chunk_does_not_count():
     """seq 13 in chunks of 4 leaves 3 padded positions in the last chunk; with every real position
     counted, the value and count are the reference's."""
@@ -189,6 +192,7 @@ def test_logits_far_from_zero_stay_finite_and_exact():
         assert_close(got, want)
 
 
+@pytest.mark.slow
 @settings(max_examples=5)
 @example(Problem(batch=2, seq=29, chunk=4, vocab=40, hidden=12, rank=2, zero_rows=(False, True), seed=5))
 @example(Problem(batch=1, seq=7, chunk=1, vocab=15, hidden=8, rank=4, zero_rows=(False,), seed=0))
@@ -235,6 +239,7 @@ def bf16_weight_gradient_bound(p: Problem, x) -> tuple[np.ndarray, np.ndarray]:
     return running[-1], bound
 
 
+@pytest.mark.slow
 def test_nnx_lora_head_under_jit_and_grad_of_the_split_lora_state():
     """The LoRA-carrying lm_head of a model merged from `nnx.split(model, LoRAParam, ...)` as head_fn:
     the gradient with respect to the LoRA state equals the full-logits one."""
@@ -274,6 +279,7 @@ def grad_temp_bytes(chunk: int | None, seq: int, hidden: int = 64, vocab: int = 
     return jax.jit(grad).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_chunked_gradient_memory_is_below_one_logits_array_and_linear_in_seq():
     hidden, vocab = 64, 4096
     logits_bytes = 2048 * vocab * 4
@@ -289,6 +295,7 @@ def test_chunked_gradient_memory_is_below_one_logits_array_and_linear_in_seq():
     ((8, 1, 1), P(("dp", "fsdp")), P(), P()),  # batch split 8 ways
     ((2, 2, 2), P(("dp", "fsdp")), P("mp", "fsdp"), P(None, "mp")),  # and the vocab over mp, as DEFAULT_RULES
 ])
+@pytest.mark.slow
 def test_sharded_batch_and_vocab_give_the_unsharded_result(mesh_shape, batch_spec, w_spec, b_spec):
     p = Problem(batch=8, seq=19, chunk=8, vocab=96, hidden=32, rank=4, zero_rows=(False,) * 7 + (True,), seed=7)
     x = arrays(p)

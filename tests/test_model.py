@@ -30,6 +30,7 @@ def lowered_text(layers: int, remat: str = "none") -> str:
     return jax.jit(jax.grad(loss)).lower(state, ids).as_text()
 
 
+@pytest.mark.slow
 def test_program_size_does_not_grow_with_depth():
     shallow, deep = lowered_text(2), lowered_text(30)
     assert len(deep.splitlines()) == len(shallow.splitlines())  # the same program; only stacked shapes differ
@@ -37,6 +38,7 @@ def test_program_size_does_not_grow_with_depth():
     assert "stablehlo.while" in deep
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch"])
 def test_remat_policies_keep_the_numbers(remat):
     model = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(1))
@@ -95,6 +97,7 @@ def packed_and_padded_batch(t: int):
     return ids, jnp.asarray(segments), jnp.asarray(attention_mask), jnp.asarray(positions), real
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full", "dots"])
 def test_blockwise_attention_keeps_logits_and_lora_gradients(monkeypatch, remat):
     """attention="blockwise" against "xla" on packed documents with padding, blocks smaller than the
@@ -157,6 +160,7 @@ def test_bf16_compute_with_f32_params_returns_f32_logits():
     assert logits.dtype == jnp.float32 and logits.shape == (1, 5, 64)
 
 
+@pytest.mark.slow
 def test_causal_query_blocks_keep_the_numbers(monkeypatch):
     """Attention without a cache skips the keys after each query block; logits and gradients must equal
     those of full attention, with packed documents and padding in the row."""

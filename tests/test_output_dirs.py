@@ -17,7 +17,7 @@ import pytest
 from converter.cli import main as convert_main
 from export.cli import main as export_main
 from finetune.config import TrainConfig
-from finetune.train import run_training
+from finetune.train.loop import run_training
 
 
 def tree(root: Path) -> dict[str, str]:
@@ -247,6 +247,7 @@ EXPORT_REFUSALS = [_out_is_run, _merge_is_base, _out_is_base_through_dotdot, _me
                    _out_adapter_holding_a_run, _out_is_a_file, _out_under_a_file, _fresh_out_but_merge_is_base]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overwrite", [False, True], ids=["plain", "overwrite"])
 @pytest.mark.parametrize("case", EXPORT_REFUSALS, ids=lambda f: f.__name__.strip("_"))
 def test_export_refuses_to_replace_what_it_must_not(ws, capsys, no_work, case, overwrite):

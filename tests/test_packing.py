@@ -10,8 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from finetune.data import DataError, Example, build_rows, truncation_report
-from finetune.packing import PackedRows, targets_within, truncation_report_from_store
+from finetune.data.reference import build_rows, truncation_report
+
+from finetune.data.rows import DataError, Example
+from finetune.data.packing import PackedRows, targets_within, truncation_report_from_store
 
 FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
 
@@ -50,6 +52,7 @@ def packing_cases(draw):
     return examples, np.asarray(selection, np.int64), seq_len, draw(st.booleans())
 
 
+@pytest.mark.slow
 @given(case=packing_cases(), data=st.data())
 @settings(max_examples=300)
 def test_take_equals_build_rows(case, data):
@@ -77,6 +80,7 @@ def test_take_equals_build_rows(case, data):
         assert_same_batch(padded.take(index), want_padded.take(index))
 
 
+@pytest.mark.slow
 @given(case=packing_cases())
 @settings(max_examples=200)
 def test_truncation_report_equals_the_in_memory_one(case):

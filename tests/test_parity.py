@@ -62,6 +62,7 @@ def jax_logits(model, ids, attention_mask=None):
     return model(ids, attention_mask=attention_mask)
 
 
+@pytest.mark.slow
 @settings(max_examples=25)
 @given(config=llama_configs(), shape=batches(), seed=st.integers(0, 2**16))
 def test_float32_logits_match_transformers(config, shape, seed):
@@ -73,6 +74,7 @@ def test_float32_logits_match_transformers(config, shape, seed):
     assert np.abs(got - expected).max() <= f32_tolerance(expected)
 
 
+@pytest.mark.slow
 @settings(max_examples=6)
 @given(config=llama_configs(max_layers=2), shape=batches(max_seq=160), seed=st.integers(0, 2**16))
 def test_bfloat16_logits_match_transformers_within_documented_bound(config, shape, seed):
@@ -101,6 +103,7 @@ def assert_real_positions_match(hf, model, ids: np.ndarray, mask: np.ndarray):
     assert np.abs(got[real] - expected[real]).max() <= f32_tolerance(expected[real])
 
 
+@pytest.mark.slow
 @settings(max_examples=6)
 @given(config=llama_configs(max_layers=2), seed=st.integers(0, 2**16), batch=left_padded_batches())
 def test_padding_mask_matches_transformers(config, seed, batch):
@@ -120,6 +123,7 @@ BLOCKED_CONFIG = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "i
                                       "original_max_position_embeddings": 32}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seq", BLOCKED_LENGTHS)
 def test_left_padding_on_the_query_block_path_matches_transformers(seq):
     """Left padding of less than one block, of more than one block (the first query block is all
@@ -131,6 +135,7 @@ def test_left_padding_on_the_query_block_path_matches_transformers(seq):
     assert_real_positions_match(hf, model, ids, left_padded(seq, lengths))
 
 
+@pytest.mark.slow
 def test_wrong_rope_scaling_is_caught_by_the_tolerance():
     """The parity tolerance is meaningful: dropping Llama 3.1's RoPE scaling (the reference run's bug)
     moves the logits far beyond it."""
@@ -148,6 +153,7 @@ def test_wrong_rope_scaling_is_caught_by_the_tolerance():
     assert np.abs(np.asarray(jax_logits(model, jnp.asarray(ids))) - expected).max() > 100 * F32_TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (2, 2, 2)])
 def test_sharded_load_gives_the_same_logits(tiny_converted, mesh_shape):
     mesh = jax.make_mesh(mesh_shape, ("dp", "fsdp", "mp"), axis_types=(jax.sharding.AxisType.Auto,) * 3)

@@ -7,8 +7,8 @@ import pytest
 
 from finetune.cli import main
 from finetune.config import TrainConfig
-from finetune.fitting import candidates
-from finetune.planning import plan
+from finetune.planning.fit import candidates
+from finetune.planning.plan import plan
 
 LLAMA_405B = Path(__file__).parent / "data" / "llama-3.1-405b-config.json"  # meta-llama/Llama-3.1-405B's config.json
 
@@ -22,6 +22,7 @@ def gathered_layer_bytes(config: dict, dtype_bytes: int) -> int:
     return (q_o + k_v + 3 * hidden * inter) * dtype_bytes
 
 
+@pytest.mark.slow
 def test_llama_405b_on_eight_devices_compiles_and_fits():
     report = plan(TrainConfig(plan=True, model_config=str(LLAMA_405B), mesh="dp=1,fsdp=8,mp=1", batch_size=16,
                               seq_len=64).validate())
@@ -55,6 +56,7 @@ def small_config(tmp_path, default_allocator):
     return path
 
 
+@pytest.mark.slow
 def test_cli_plan_on_a_small_model_reports_and_exits_by_verdict(small_config, capsys):
     args = ["--plan", "--model-config", str(small_config), "--mesh", "dp=2,fsdp=4,mp=1", "--batch-size", "8",
             "--seq-len", "32", "--dtype", "float32"]
@@ -66,6 +68,7 @@ def test_cli_plan_on_a_small_model_reports_and_exits_by_verdict(small_config, ca
     assert "DOES NOT FIT in 0.0 GB" in out and "layers.self_attn.q_proj.lora_a" in out
 
 
+@pytest.mark.slow
 def test_cli_verdict_follows_the_memory_fraction_variable(small_config, capsys, monkeypatch):
     config = TrainConfig(plan=True, model_config=str(small_config), mesh="dp=1,fsdp=8,mp=1", batch_size=8,
                          seq_len=64, dtype="float32").validate()
@@ -110,6 +113,7 @@ def test_fit_tries_settings_fastest_first():
     assert [r for _, r, _ in gpu] == ["dots", "full", "offload", "full"]
 
 
+@pytest.mark.slow
 def test_cli_fit_prints_each_tried_setting_and_the_first_that_fits(small_config, capsys):
     base = dict(plan=True, model_config=str(small_config), mesh="dp=1,fsdp=8,mp=1", batch_size=8, seq_len=256,
                 dtype="float32")
@@ -129,6 +133,7 @@ def test_cli_fit_prints_each_tried_setting_and_the_first_that_fits(small_config,
 
 
 
+@pytest.mark.slow
 def test_cli_fit_when_nothing_fits_lists_every_setting_and_exits_1(small_config, capsys):
     # One sequence on 8 devices: only the cp=8 mesh can hold it; the other splits are not possible.
     args = ["--plan", "--fit", "--model-config", str(small_config), "--mesh", "dp=1,fsdp=1,cp=8,mp=1",

@@ -8,7 +8,7 @@ import pytest
 from converter import convert
 from finetune.cli import main
 from finetune.config import TrainConfig
-from finetune.planning import plan
+from finetune.planning.plan import plan
 
 # Every projection's input dimension is a multiple of 64 (the default block), and every dimension the fsdp=4
 # mesh splits is a multiple of 4 blocks, so that each device holds exactly a quarter of each split weight.
@@ -49,6 +49,7 @@ def planned(path, **kw):
                             **kw).validate(), cpu_bf16_figure=False)
 
 
+@pytest.mark.slow
 def test_plan_weights_are_the_codes_and_scales_and_a_quantized_plan_is_smaller(small_config):
     reports = {scheme: planned(small_config, quantize=scheme) for scheme in ("none", "nf4", "int8")}
     for scheme, report in reports.items():
@@ -64,6 +65,7 @@ def test_plan_weights_are_the_codes_and_scales_and_a_quantized_plan_is_smaller(s
     assert "quantized" not in str(reports["none"]) and "nf4" not in str(reports["none"])
 
 
+@pytest.mark.slow
 def test_plan_of_a_quantized_checkpoint_takes_its_quantization(tiny_checkpoint, tiny_converted, tmp_path, capsys):
     int8 = tmp_path / "int8"
     convert(tiny_checkpoint, int8, quantize="int8", quant_block=16, progress=False)
@@ -101,7 +103,7 @@ def test_a_block_that_does_not_divide_the_projections_is_one_line(tmp_path, caps
 
 
 def test_fit_command_line_trains_on_a_quantized_checkpoint_without_a_quantize_option(small_config):
-    from finetune.fitting import command_line
+    from finetune.planning.fit import command_line
 
     line = command_line(TrainConfig(plan=True, model_config=str(small_config), quantize="nf4", seq_len=256))
     assert line == "finetune-lora --model NF4_CONVERTED_DIR --data DATA.jsonl --out RUN_DIR --seq-len 256"

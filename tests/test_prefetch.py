@@ -15,13 +15,14 @@ import pytest
 from conftest import write_jsonl
 from flax import nnx
 
-import finetune.train
+import finetune.train.loop
 from finetune.config import TrainConfig
-from finetune.data import DataError, row_indices
-from finetune.run_dir import load_run
-from finetune.setup import setup
-from finetune.prefetch import Prefetcher
-from finetune.train import TrainingError, global_batch, run_training
+from finetune.data.order import row_indices
+from finetune.data.rows import DataError
+from finetune.run.reading import load_run
+from finetune.train.build import setup
+from finetune.train.prefetch import Prefetcher
+from finetune.train.loop import TrainingError, global_batch, run_training
 
 
 def prefetch_threads() -> list[threading.Thread]:
@@ -93,7 +94,7 @@ def config(tiny_converted, data_file, out, **kw) -> TrainConfig:
 @pytest.fixture(autouse=True)
 def fixed_peak(monkeypatch):
     """A fixed peak FLOP/s instead of seconds of timed matmuls per run (MFU is not under test here)."""
-    monkeypatch.setattr(finetune.train, "measure_peak_flops", lambda dtype: 1e12)
+    monkeypatch.setattr(finetune.train.loop, "measure_peak_flops", lambda dtype: 1e12)
 
 
 def records(out) -> list[dict]:
@@ -121,10 +122,11 @@ def hand_loop_losses(cfg: TrainConfig) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 def test_prefetched_runs_equal_the_plain_loop_and_a_resume(tmp_path, tiny_converted, data_file, monkeypatch, caplog):
     """Depth 2 (the default), depth 0 (no thread), depth 2 stopped after 2 steps and resumed, and a hand-written
     loop: the same losses bit for bit, and the same LoRA arrays at the end."""
-    assert finetune.train.PREFETCH_DEPTH == 2
+    assert finetune.train.loop.PREFETCH_DEPTH == 2
     runs = {name: tmp_path / name for name in ("prefetched", "plain", "resumed")}
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
         run_training(config(tiny_converted, data_file, runs["prefetched"]))
@@ -132,7 +134,7 @@ def test_prefetched_runs_equal_the_plain_loop_and_a_resume(tmp_path, tiny_conver
         assert saved_steps(runs["resumed"]) == [2]
         run_training(config(tiny_converted, data_file, runs["resumed"], resume=True))
         with monkeypatch.context() as m:
-            m.setattr(finetune.train, "PREFETCH_DEPTH", 0)
+            m.setattr(finetune.train.loop, "PREFETCH_DEPTH", 0)
             run_training(config(tiny_converted, data_file, runs["plain"]))
     # batches made on the prefetching thread are laid out as the step expects: one compilation per run
     assert sum(r.getMessage().startswith("Compiling jit(train_step)") for r in caplog.records) == 4
@@ -166,13 +168,13 @@ class RowsWith:
 
 def with_train_rows(monkeypatch, position: int, change) -> None:
     """Runs started from now on read their training rows through RowsWith(..., position, change)."""
-    real_setup = finetune.train.setup
+    real_setup = finetune.train.loop.setup
 
     def patched(cfg, *args, **kw):
         run = real_setup(cfg, *args, **kw)
         return dataclasses.replace(run, train_rows=RowsWith(run.train_rows, cfg, position, change))
 
-    monkeypatch.setattr(finetune.train, "setup", patched)
+    monkeypatch.setattr(finetune.train.loop, "setup", patched)
 
 
 def nan_mask(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -185,6 +187,7 @@ def nan_mask(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     (4, 4, 100),  # the bad step is the last one (the final save)
     (3, 6, 100),  # read late: found after the next step was started
 ])
+@pytest.mark.slow
 def test_a_non_finite_loss_is_never_checkpointed(tmp_path, tiny_converted, data_file, monkeypatch, bad_step, steps,
                                                  checkpoint_every):
     with_train_rows(monkeypatch, bad_step - 1, nan_mask)
@@ -199,6 +202,7 @@ def test_a_non_finite_loss_is_never_checkpointed(tmp_path, tiny_converted, data_
     assert not prefetch_threads()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint_every", [1, 100])
 def test_a_producer_error_is_the_error_of_the_plain_loop(tmp_path, tiny_converted, data_file, monkeypatch,
                                                          checkpoint_every):
@@ -210,7 +214,7 @@ def test_a_producer_error_is_the_error_of_the_plain_loop(tmp_path, tiny_converte
     with_train_rows(monkeypatch, 2, fail)
     outcomes = []
     for depth in (0, 2):
-        monkeypatch.setattr(finetune.train, "PREFETCH_DEPTH", depth)
+        monkeypatch.setattr(finetune.train.loop, "PREFETCH_DEPTH", depth)
         out = tmp_path / f"depth{depth}"
         with pytest.raises(DataError) as raised:
             run_training(config(tiny_converted, data_file, out, steps=6, checkpoint_every=checkpoint_every))
@@ -222,6 +226,7 @@ def test_a_producer_error_is_the_error_of_the_plain_loop(tmp_path, tiny_converte
     assert outcomes[0][2] == ([1, 2] if checkpoint_every == 1 else [])
 
 
+@pytest.mark.slow
 def test_sigterm_while_batches_are_prefetched(tmp_path, tiny_converted, data_file, monkeypatch):
     """SIGTERM sent while the batch of step 4 is built, ahead of the device (at the earliest once step 1 has
     started): the run stops after the steps it has started and checkpoints the last one at its data position."""

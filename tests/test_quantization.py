@@ -196,6 +196,7 @@ def dequantized_reference(quantized: LlamaForCausalLM, param_dtype=jnp.float32) 
     return reference
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme, block", [("nf4", 8), ("nf4", 16), ("int8", 16)])
 def test_quantized_model_is_the_dequantized_model(scheme, block):
     plain = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0))
@@ -215,6 +216,7 @@ def test_quantized_model_is_the_dequantized_model(scheme, block):
     assert np.abs(got - np.asarray(plain(IDS))).max() > 1e-4  # quantization did change the weights
 
 
+@pytest.mark.slow
 def test_quantized_model_with_lora_and_bf16_compute_is_the_dequantized_model():
     model = quantize_model(LlamaForCausalLM(CONFIG, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
                                             rngs=nnx.Rngs(0)), Quantization("nf4", 16))
@@ -242,6 +244,7 @@ def test_quantized_model_with_lora_and_bf16_compute_is_the_dequantized_model():
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads_q)) > 0
 
 
+@pytest.mark.slow
 def test_quantized_linear_computes_dequantize_then_matmul():
     layer = Linear(64, 24, axes=("heads", "embed"), quantization=Quantization("nf4", 16), rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 3, 64))
@@ -286,6 +289,7 @@ def grad_temp_bytes(model: LlamaForCausalLM) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_backward_does_not_keep_every_layers_dequantized_weights():
     config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32)

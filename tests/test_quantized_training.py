@@ -11,11 +11,11 @@ from flax import nnx
 
 from converter import convert
 from finetune.cli import main
-from finetune.data import row_indices
-from finetune.run_dir import load_run
-from finetune.setup import setup
-from finetune.step import loss_and_grads
-from finetune.train import global_batch, run_training
+from finetune.data.order import row_indices
+from finetune.run.reading import load_run
+from finetune.train.build import setup
+from finetune.step.train_step import loss_and_grads
+from finetune.train.loop import global_batch, run_training
 from jaxmodel import load_pretrained
 from jaxmodel.formats.peft_adapter import save_peft_adapter
 from jaxmodel.layers import LoRAParam, QuantizedParam
@@ -45,6 +45,7 @@ def quantized_names(model) -> set[str]:
     return {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, QuantizedParam))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme, block", [("nf4", 64), ("int8", 16)])
 def test_only_lora_trains_and_the_codes_and_scales_stay_bit_identical(tmp_path, tiny_checkpoint, nf4_converted,
                                                                     data_file, scheme, block):
@@ -93,6 +94,7 @@ def reference_grads(nf4_converted, data_file, tmp_path_factory):
     return grads_on(nf4_converted, data_file, tmp_path_factory.mktemp("ref"), "dp=1,fsdp=1,mp=1", jax.devices()[:1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["dp=1,fsdp=8,mp=1", "dp=2,fsdp=2,mp=2"])
 def test_same_loss_and_grads_on_every_mesh(tmp_path, nf4_converted, data_file, reference_grads, mesh):
     """As for an unquantized base (tests/test_finetune.py), to the same tolerance."""
@@ -108,11 +110,12 @@ RESUMED = {"steps": 4, "lora_dropout": 0.1, "grad_accum": 2, "mesh": "dp=1,fsdp=
            "remat": "none"}
 
 
+@pytest.mark.slow
 def test_resume_on_a_quantized_base_continues_exactly(tmp_path, nf4_converted, data_file, monkeypatch):
     """Four steps in one go == two steps, a checkpoint, and `resume=True` for the other two, bit for bit."""
-    import finetune.train
+    import finetune.train.loop
 
-    monkeypatch.setattr(finetune.train, "measure_peak_flops", lambda dtype: 1e12)
+    monkeypatch.setattr(finetune.train.loop, "measure_peak_flops", lambda dtype: 1e12)
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     run_training(config(nf4_converted, data_file, whole, **RESUMED))
     run_training(config(nf4_converted, data_file, resumed, stop_after=2, **RESUMED))
@@ -127,6 +130,7 @@ def test_resume_on_a_quantized_base_continues_exactly(tmp_path, nf4_converted, d
         np.testing.assert_array_equal(value, flat(lora_b)[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_init_adapter_on_a_quantized_base_starts_from_the_adapter(tmp_path, nf4_converted, data_file):
     """The run's LoRA state at step 0 is the adapter's (with its own rank and targets), and the CLI's first
     loss is that of the adapter on the run's first batch."""

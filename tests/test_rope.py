@@ -42,6 +42,7 @@ def test_llama3_scaling_changes_the_low_frequencies():
     assert np.array_equal(scaled[:10], plain[:10]) and not np.array_equal(scaled[-10:], plain[-10:])
 
 
+@pytest.mark.slow
 @given(llama_configs())
 def test_drawn_configs_within_one_ulp(raw):
     """torch's float32 pow is not correctly rounded, so a drawn theta/head_dim may differ in the last bit."""

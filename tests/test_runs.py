@@ -25,10 +25,13 @@ from conftest import stderr_lines
 from export.cli import main as export_main
 from finetune.cli import main
 from finetune.config import TrainConfig
-from finetune.run_dir import current_run_config, load_run, read_resumes, read_run_config
-from finetune.run_guard import IMMUTABLE, LOCK_FILE, MUTABLE, NOT_COMPARED, RunDirError, RunLock
+from finetune.run.reading import current_run_config, load_run, read_resumes, read_run_config
+from finetune.run.errors import RunDirError
 
 # Two adapters and no rematerialisation: the quickest step to compile (what is tested does not depend on it).
+from finetune.run.files import LOCK_FILE
+from finetune.run.lock import RunLock
+from finetune.run.policy import IMMUTABLE, MUTABLE, NOT_COMPARED
 BASE = {"steps": "4", "batch-size": "8", "seq-len": "32", "dtype": "float32", "lr": "3e-3", "checkpoint-every": "2",
         "targets": "q_proj,v_proj", "remat": "none"}
 
@@ -64,9 +67,9 @@ def flat(state) -> dict[str, np.ndarray]:
 @pytest.fixture(autouse=True)
 def fixed_peak(monkeypatch):
     """A fixed peak FLOP/s instead of seconds of timed matmuls per run (MFU is not under test here)."""
-    import finetune.train
+    import finetune.train.loop
 
-    monkeypatch.setattr(finetune.train, "measure_peak_flops", lambda dtype: 1e12)
+    monkeypatch.setattr(finetune.train.loop, "measure_peak_flops", lambda dtype: 1e12)
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +86,9 @@ def finished_run(tiny_converted, data_file, tmp_path_factory):
     """A run of 4 steps with checkpoints at 2 and 4 (read-only: copy it to change it)."""
     out = tmp_path_factory.mktemp("finished") / "run"
     with pytest.MonkeyPatch.context() as mp:
-        import finetune.train
+        import finetune.train.loop
 
-        mp.setattr(finetune.train, "measure_peak_flops", lambda dtype: 1e12)
+        mp.setattr(finetune.train.loop, "measure_peak_flops", lambda dtype: 1e12)
         assert main(cli_args(tiny_converted, data_file, out)) == 0
     return out
 
@@ -98,6 +101,7 @@ def copy_of(run: Path, tmp_path: Path, name: str = "run") -> Path:
 # ---- one run per directory ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_new_run_into_a_run_directory_is_refused(tmp_path, tiny_converted, data_file, finished_run, capsys):
     before = hashes(finished_run)
     assert main(cli_args(tiny_converted, data_file, finished_run, steps="2")) == 1
@@ -116,6 +120,7 @@ def test_a_new_run_into_a_run_directory_is_refused(tmp_path, tiny_converted, dat
     assert hashes(other) == {"notes.txt": hashlib.sha256(b"mine").hexdigest()}
 
 
+@pytest.mark.slow
 def test_overwrite_starts_a_clean_run(tmp_path, tiny_converted, data_file, finished_run):
     """The old run's step-4 checkpoint, metrics and resume record go; export then reads the new run's step 2
     (before, a keep=3 directory exported the old run's newest step under the new run's config)."""
@@ -132,6 +137,7 @@ def test_overwrite_starts_a_clean_run(tmp_path, tiny_converted, data_file, finis
     assert flat(lora)["layers.self_attn.q_proj.lora_a"].shape[-1] == 4
 
 
+@pytest.mark.slow
 def test_overwrite_refuses_what_is_not_a_run(tmp_path, tiny_checkpoint, tiny_converted, data_file, finished_run,
                                              capsys):
     converted_copy = copy_of(tiny_converted, tmp_path, "converted")
@@ -269,6 +275,7 @@ def test_resume_lists_every_refused_change(tiny_converted, data_file, finished_r
     assert hashes(finished_run) == before
 
 
+@pytest.mark.slow
 def test_resume_with_allowed_changes_is_recorded(tmp_path, tiny_converted, data_file, finished_run, monkeypatch):
     """Steps, mesh and checkpoint cadence change; the model and data spelled differently are the same paths.
     run_config.json keeps the run as started; resumes.jsonl records each resume against the one before."""
@@ -297,6 +304,7 @@ def test_resume_with_allowed_changes_is_recorded(tmp_path, tiny_converted, data_
 # ---- the lock ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_second_process_is_refused_while_a_run_holds_the_directory(tmp_path, tiny_converted, data_file, capsys):
     """A real finetune-lora process trains; stopped (SIGSTOP) so its directory holds still, a second run on the
     same --out (new, or --resume) names it and changes nothing; the first then ends cleanly, lock released."""
@@ -332,10 +340,11 @@ def test_a_second_process_is_refused_while_a_run_holds_the_directory(tmp_path, t
     assert load_run(out)[2] == steps
 
 
+@pytest.mark.slow
 def test_a_dead_holder_does_not_block(tmp_path):
     """The lock is the OS's: a holder killed with SIGKILL leaves its lock file, which blocks nobody."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from finetune.run_guard import RunLock; RunLock.acquire(Path(sys.argv[1])); "
+                               "from finetune.run.directory import RunLock; RunLock.acquire(Path(sys.argv[1])); "
                                "print('held', flush=True); time.sleep(120)", str(tmp_path)],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -362,9 +371,9 @@ def interrupted_run(tiny_converted, data_file, tmp_path_factory):
     """4 of 6 steps, checkpoints at 2 and 4 (read-only: copy it to change it)."""
     out = tmp_path_factory.mktemp("interrupted") / "run"
     with pytest.MonkeyPatch.context() as mp:
-        import finetune.train
+        import finetune.train.loop
 
-        mp.setattr(finetune.train, "measure_peak_flops", lambda dtype: 1e12)
+        mp.setattr(finetune.train.loop, "measure_peak_flops", lambda dtype: 1e12)
         assert main(cli_args(tiny_converted, data_file, out, **RESUMABLE)) == 0
     return out
 
@@ -376,9 +385,9 @@ def resumed_from_2(interrupted_run, tiny_converted, data_file, tmp_path_factory)
     run = copy_of(interrupted_run, tmp_path_factory.mktemp("reference"))
     shutil.rmtree(run / "checkpoints" / "4")
     with pytest.MonkeyPatch.context() as mp:
-        import finetune.train
+        import finetune.train.loop
 
-        mp.setattr(finetune.train, "measure_peak_flops", lambda dtype: 1e12)
+        mp.setattr(finetune.train.loop, "measure_peak_flops", lambda dtype: 1e12)
         assert main(cli_args(tiny_converted, data_file, run, "--resume", **RESUMABLE)) == 0
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
     assert read_resumes(run)[0]["from_step"] == 2
@@ -405,6 +414,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flipped-tensor-byte", "deleted-_METADATA"])
 def test_resume_falls_back_to_the_previous_intact_checkpoint(damage, tmp_path, tiny_converted, data_file,
                                                              interrupted_run, resumed_from_2, capsys):
@@ -479,9 +489,9 @@ def data_run(own_inputs, tmp_path_factory):
     """4 of 6 steps on `own_inputs`, checkpoints at 2 and 4 (read-only: copy it to change it)."""
     out = tmp_path_factory.mktemp("data-run") / "run"
     with pytest.MonkeyPatch.context() as mp:
-        import finetune.train
+        import finetune.train.loop
 
-        mp.setattr(finetune.train, "measure_peak_flops", lambda dtype: 1e12)
+        mp.setattr(finetune.train.loop, "measure_peak_flops", lambda dtype: 1e12)
         assert main(data_run_args(own_inputs, out)) == 0
     return out
 
@@ -491,9 +501,9 @@ def uninterrupted(own_inputs, tmp_path_factory):
     """The 6 steps of `data_run` in one go."""
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
     with pytest.MonkeyPatch.context() as mp:
-        import finetune.train
+        import finetune.train.loop
 
-        mp.setattr(finetune.train, "measure_peak_flops", lambda dtype: 1e12)
+        mp.setattr(finetune.train.loop, "measure_peak_flops", lambda dtype: 1e12)
         assert main(data_run_args(own_inputs, out, stop_after="0")) == 0
     return out
 
@@ -555,7 +565,7 @@ def reference_counts(model: Path, path: Path) -> tuple[int, int]:
     """(examples, tokens) of the data at `path`, from the per-row reference tokenization."""
     from transformers import AutoTokenizer
 
-    from finetune.data import read_rows, tokenize
+    from finetune.data.reference import read_rows, tokenize
 
     examples = tokenize(read_rows(path), AutoTokenizer.from_pretrained(model), 32)
     return len(examples), sum(len(e.ids) for e in examples)
@@ -575,6 +585,7 @@ def refusal(run: Path, differences: list[tuple[str, Path, str, str, str]], fix: 
             f"{run} --out ADAPTER, then --init-adapter ADAPTER to start from this run's adapters)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", sorted(DATA_CHANGES))
 def test_resume_refuses_data_whose_tokens_changed(change, own_inputs, data_run, put_back, capsys):
     """The same --data (or --eval-data) path and --model, other tokens: one line naming each file whose tokens
@@ -601,9 +612,9 @@ def test_a_run_records_the_tokens_it_trains_and_evaluates_on(tmp_path, own_input
     and the tokenizer's digest, and step 0 (when they were recorded)."""
     from transformers import AutoTokenizer
 
-    from finetune.data_cache import loaded_tokenizer_digest, tokens_digest
-    from finetune.data_sources import open_source
-    from finetune.tokenization import tokenize_to_store
+    from finetune.data.cache import loaded_tokenizer_digest, tokens_digest
+    from finetune.data.sources import open_source
+    from finetune.data.workers import tokenize_to_store
 
     model, data, held_out = own_inputs
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -618,6 +629,7 @@ def test_a_run_records_the_tokens_it_trains_and_evaluates_on(tmp_path, own_input
                                 "tokens": tokens, "source": fingerprint, "tokenizer": loaded_tokenizer_digest(model, tokenizer)}
 
 
+@pytest.mark.slow
 def test_resume_on_the_same_tokens_tokenized_anew(tmp_path, own_inputs, data_run, uninterrupted, put_back, capsys):
     """The data touched and another --data-cache: tokenized again, to the same tokens, so the run resumes, its
     losses those of the run done in one go, and run_data.json stays as the run started."""
@@ -648,6 +660,7 @@ def test_a_damaged_data_record_is_one_line(content, why, tmp_path, own_inputs, d
     assert hashes(run) == before
 
 
+@pytest.mark.slow
 def test_a_run_without_a_data_record_resumes_and_records_it(tmp_path, own_inputs, data_run, put_back, capsys):
     """A run started by a version that did not record its data resumes unchecked; its data is recorded then,
     and checked by every later resume."""
@@ -683,6 +696,7 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps, failing", [(8, 4), (4, 4)])
 def test_a_failed_save_stops_the_run_at_once(steps, failing, tmp_path, tiny_converted, data_file):
     """The writer of step 4's checkpoint fails with ENOSPC in the background: the run stops within the next
@@ -728,6 +742,7 @@ def small_tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_with_one_line(small_tmpfs, tiny_converted, data_file):
     """A real full file system (600 KB tmpfs): the run ends with one line naming the cause; the newest checkpoint
     it kept restores."""
@@ -763,6 +778,7 @@ def two_processes(args: list[str], timeout: float = 300) -> list[subprocess.Comp
     return results
 
 
+@pytest.mark.e2e
 def test_many_hosts_lock_on_process_0_and_fail_together(tmp_path, tiny_converted, data_file):
     """Process 0 alone takes the lock; when it cannot, process 1 stops too (instead of waiting for it forever)."""
     out = tmp_path / "run"
@@ -783,6 +799,7 @@ def test_many_hosts_lock_on_process_0_and_fail_together(tmp_path, tiny_converted
     assert after == before
 
 
+@pytest.mark.slow
 def test_many_hosts_run_writes_the_run_directory_once(tmp_path, tiny_converted, data_file):
     """2 processes train and resume one run: process 0 writes run_config, run_data, metrics and the resume record
     (once), both write their checkpoint shards; the lock is gone afterwards. Resumed on other tokens, both

@@ -13,8 +13,8 @@ from flax import nnx
 from transformers import AutoTokenizer
 
 from finetune.config import TrainConfig, load_config
-from finetune.data import build_rows, tokenize
-from finetune.step import TrainState, build_steps, loss_and_grads, make_optimizer, split_model
+from finetune.data.reference import build_rows, tokenize
+from finetune.step.train_step import TrainState, build_steps, loss_and_grads, make_optimizer, split_model
 from jaxmodel import LlamaConfig, LlamaForCausalLM, load_pretrained
 from jaxmodel.lora import ALL_TARGETS, LoraConfig, apply_lora, target_linears
 
@@ -132,6 +132,7 @@ def loss_fn(model):
 # ---- the loss ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pack", [True, False])
 def test_loss_is_the_cross_entropy_of_exactly_the_promised_targets(tokenizer, model, loss_fn, pack):
     """A text, a prompt/completion and a two-turn chat row through tokenize -> build_rows -> loss_and_grads:
@@ -220,6 +221,7 @@ def train_states(model, batch, config: TrainConfig, steps: int):
     return lora, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])
 def test_learning_rate_follows_the_hand_written_schedule(mini, kind):
     """The logged `lr` of step k and the step AdamW actually takes equal the schedule's value at k - 1.
@@ -263,6 +265,7 @@ def global_norm(arrays) -> float:
     return math.sqrt(sum(float((x * x).sum()) for x in arrays))
 
 
+@pytest.mark.slow
 def test_clipping_hands_adamw_a_gradient_of_norm_clip_norm(mini):
     """`--clip-norm 0`: AdamW receives the gradient `g` itself (its norm is the logged `grad_norm`).
     `--clip-norm c` with `c = |g| / 1000`: AdamW receives `g * c / |g|`, of global norm `c`."""

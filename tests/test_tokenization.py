@@ -1,4 +1,4 @@
-"""Batched, parallel tokenization into a store: every example equals `finetune.data.tokenize`'s (the per-row
+"""Batched, parallel tokenization into a store: every example equals `finetune.data.reference.tokenize`'s (the per-row
 reference) token for token and mask for mask, at every place a row can meet --seq-len, with 1 and 2 worker
 processes; the loss masks mean what they should; bad rows are named as the reference names them."""
 
@@ -10,9 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from demo.tiny import CHAT_TEMPLATE
-from finetune.data import DataError, tokenize
-from finetune.tokenization import (MIN_ROWS_PER_WORKER, SHAPE_CHECKS, BatchTokenizer, TokenizedData, default_workers,
-                                   tokenize_to_store)
+from finetune.data.reference import tokenize
+from finetune.data.rows import DataError
+from finetune.data.chat_shapes import SHAPE_CHECKS
+from finetune.data.encoding import BatchTokenizer
+from finetune.data.store import TokenizedData
+from finetune.data.workers import MIN_ROWS_PER_WORKER, default_workers, tokenize_to_store
 
 WORDS = "the quick brown fox jumps over a lazy dog 12345 ééé 漢字".split()
 
@@ -60,6 +63,7 @@ def test_every_row_equals_the_per_row_reference(tmp_path, tokenizer, seq_len):
     assert store.meta["reference_path_rows"] == 0  # the tiny tokenizer's chats all take the one-rendering path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [2, 3])
 def test_worker_processes_give_the_same_store(tmp_path, tokenizer, workers, monkeypatch):
     """This process and `workers - 1` spawned ones, each batch written in row order whoever tokenized it. This

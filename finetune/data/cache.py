@@ -31,8 +31,9 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from finetune.data import DataError
-from finetune.tokenization import STORE_VERSION, TokenizedData, default_workers, tokenize_to_store
+from finetune.data.rows import DataError
+from finetune.data.store import STORE_VERSION, TokenizedData
+from finetune.data.workers import default_workers, tokenize_to_store
 from jaxmodel.formats.atomic import atomic_directory
 
 # Raised whenever what a stored entry holds for the same key would differ (tokenization or store format).
@@ -164,7 +165,7 @@ def _write_digest(directory: Path, digest: str) -> None:
 
 def load_tokenized(source, tokenizer, seq_len: int | None, layout: str, *, cache: str | None = None,
                    workers: int = 0, progress: bool = False, tokenizer_key: str | None = None) -> CachedData:
-    """`source`'s rows (a finetune.data_sources.DataSource) tokenized with `layout`: the cached store, or one
+    """`source`'s rows (a finetune.data.sources.DataSource) tokenized with `layout`: the cached store, or one
     built now with `workers` processes (0: one per core, fewer for little data) and a progress bar.
     `tokenizer_key`: see `cache_key`."""
     parts = cache_key(source.fingerprint(), tokenizer, layout, seq_len, tokenizer_key)

@@ -42,7 +42,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from finetune.data import DataError
+from finetune.data.rows import DataError
 
 KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _KIND_NAMES = ".jsonl, .json, .parquet or .csv"

@@ -13,17 +13,18 @@ from typing import Callable
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
-from finetune.checkpoints import CheckpointError, CheckpointSaveError, RunCheckpoints, describe_damaged
+from finetune.run.checkpoints import CheckpointError, CheckpointSaveError, RunCheckpoints, describe_damaged
 from finetune.config import TrainConfig
-from finetune.data import row_indices
-from finetune.mesh import initialize_distributed
-from finetune.prefetch import Prefetcher
-from finetune.metrics import MetricsWriter, flops_per_token, measure_peak_flops
-from finetune.run_guard import RunDir, RunDirError
-from finetune.setup import Run, setup, with_adapter_shape
-from finetune.step import DTYPES, TrainState
+from finetune.step.mesh import initialize_distributed
+from finetune.train.batches import batch_at, global_batch
+from finetune.train.prefetch import Prefetcher
+from finetune.train.metrics import MetricsWriter, flops_per_token, measure_peak_flops
+from finetune.run.directory import RunDir
+from finetune.run.errors import RunDirError
+from finetune.run.files import CHECKPOINTS, METRICS
+from finetune.train.build import Run, setup, with_adapter_shape
+from finetune.step.train_step import DTYPES, TrainState
 from jaxmodel.errors import UserError
 
 
@@ -46,27 +47,6 @@ class RunSummary:
         return f"{how} {self.steps} steps, {losses}, {self.tokens_per_s:,.0f} tokens/s, {self.seconds:.1f} s"
 
 
-def local_row_range(sharding: NamedSharding, batch_size: int, seq_len: int) -> tuple[int, int]:
-    """The rows `[lo, hi)` of each global batch that this process's devices hold under `sharding`."""
-    index_map = sharding.addressable_devices_indices_map((batch_size, seq_len))
-    starts = sorted({idx[0].start or 0 for idx in index_map.values()})
-    stops = sorted({idx[0].stop if idx[0].stop is not None else batch_size for idx in index_map.values()})
-    return starts[0], stops[-1]
-
-
-def global_batch(rows, indices_for, sharding: NamedSharding, batch_size: int,
-                 seq_len: int | None = None) -> dict[str, jax.Array]:
-    """The global batch as arrays laid out by `sharding`; this process reads only its own devices' rows.
-
-    `rows` is anything with `take(index)` and `len()` (`finetune.data.Rows`, packed rows); `indices_for(lo, hi)`
-    gives the row indices of positions `[lo, hi)` of the batch. `seq_len` defaults to that of `rows`."""
-    if seq_len is None:
-        seq_len = rows.take(np.zeros(0, np.int64))["input_ids"].shape[1]
-    lo, hi = local_row_range(sharding, batch_size, seq_len)
-    local = rows.take(indices_for(lo, hi))
-    return {k: jax.make_array_from_process_local_data(sharding, v, (batch_size, seq_len)) for k, v in local.items()}
-
-
 # Global batches built and sent to the devices ahead of the step that takes them (0: built in the step loop).
 # Each one held ahead costs one more batch of device memory (a few int32/float32 [batch, seq] arrays).
 PREFETCH_DEPTH = 2
@@ -76,7 +56,7 @@ def run_training(config: TrainConfig) -> RunSummary:
     """Train as `config` says (resuming if asked); returns the summary `finetune-lora` prints.
 
     `--out` is checked before anything is written (a new run needs an empty directory, a resume the same
-    run settings) and locked for the whole run (see `finetune.run_guard`)."""
+    run settings) and locked for the whole run (see `finetune.run.directory`)."""
     initialize_distributed(config.coordinator, config.num_processes, config.process_id)
     is_main = jax.process_index() == 0  # the one process that writes the run directory
     run_dir = _claim(config, is_main)
@@ -117,6 +97,52 @@ def _claim(config: TrainConfig, is_main: bool) -> RunDir:
     return claimed[0]
 
 
+def resume(run_dir: RunDir, checkpoints: RunCheckpoints, state: TrainState, run: Run,
+           is_main: bool) -> tuple[TrainState, int]:
+    """The state of the newest intact checkpoint and its data position (global batches consumed). Damaged newer
+    checkpoints are moved aside, metrics.jsonl loses the steps after the one resumed from, and the resume is
+    recorded in resumes.jsonl."""
+    out = Path(run.config.out)
+    try:
+        with jax.set_mesh(run.mesh):
+            state, meta, restored, damaged = checkpoints.restore_newest_intact(state)
+    except CheckpointError as e:
+        checkpoints.close()
+        raise TrainingError(f"--resume: {e}") from None
+    if damaged:
+        moved = run_dir.move_damaged(sorted(damaged), out / CHECKPOINTS)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("finetune: damaged checkpoints moved")
+        checkpoints.reload()
+        if is_main:
+            print(f"finetune-lora: warning: {out / CHECKPOINTS}: {describe_damaged(damaged)}; resuming from step "
+                  f"{restored} (the damaged checkpoints are kept in {moved})", file=sys.stderr)
+    run_dir.truncate_metrics(restored)  # metrics.jsonl never holds a step twice
+    run_dir.record_resume(restored, damaged, run.data_record)
+    return state, int(meta["data_position"])
+
+
+class StopOnSigterm:
+    """From `install()` to `restore()`, SIGTERM (a scheduler ending the job) asks the loop to stop after the step
+    in flight, with a checkpoint, instead of killing the process."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def install(self) -> "StopOnSigterm":
+        self._previous = signal.signal(signal.SIGTERM, self._request)
+        return self
+
+    def _request(self, *_) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+
 def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
     def check_data(data: dict[str, dict]) -> None:  # every process compares with the record process 0 made
         _on_every_process(lambda: run_dir.check_data(data),
@@ -128,32 +154,13 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
     out = Path(config.out)
     if not config.resume:  # what export-peft needs to rebuild the model and read the checkpoints, written first
         run_dir.start(config, run.data_record)
-    checkpoints = RunCheckpoints(out / "checkpoints", config.keep_checkpoints)
+    checkpoints = RunCheckpoints(out / CHECKPOINTS, config.keep_checkpoints)
     position = 0  # global batches consumed
     if config.resume:
-        try:
-            with jax.set_mesh(mesh):
-                state, meta, restored, damaged = checkpoints.restore_newest_intact(state)
-        except CheckpointError as e:
-            checkpoints.close()
-            raise TrainingError(f"--resume: {e}") from None
-        position = int(meta["data_position"])
-        if damaged:
-            moved = run_dir.move_damaged(sorted(damaged), out / "checkpoints")
-            if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
-
-                multihost_utils.sync_global_devices("finetune: damaged checkpoints moved")
-            checkpoints.reload()
-            if is_main:
-                print(f"finetune-lora: warning: {out / 'checkpoints'}: {describe_damaged(damaged)}; resuming from step "
-                      f"{restored} (the damaged checkpoints are kept in {moved})", file=sys.stderr)
-        run_dir.truncate_metrics(restored)  # metrics.jsonl never holds a step twice
-        run_dir.record_resume(restored, damaged, run.data_record)
+        state, position = resume(run_dir, checkpoints, state, run, is_main)
     start_step = int(jax.device_get(state.step))
     metrics = MetricsWriter(out, enabled=is_main, purge_step=start_step + 1 if config.resume else None)
-    stop = {"sigterm": False}
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("sigterm", True))
+    stop = StopOnSigterm().install()
 
     train_rows, batch_sharding = run.train_rows, run.batch_sharding
     flops = flops_per_token(run.llama, config.seq_len)
@@ -165,11 +172,6 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
     last_step = min(config.steps, start_step + config.stop_after) if config.stop_after else config.steps
     evaluating = run.eval_rows is not None and config.eval_every > 0
     reader = _StepReader(config, checkpoints, bar, flops, peak, start_step)
-
-    def batch_at(g: int) -> dict[str, jax.Array]:  # the stream of batches: a function of (seed, position) only
-        return global_batch(train_rows, lambda lo, hi: row_indices(len(train_rows), config.seed, g, config.batch_size,
-                                                                   lo, hi), batch_sharding, config.batch_size,
-                            config.seq_len)
 
     def log(step: int, record: dict) -> None:
         if step % config.log_every == 0 or step == config.steps:
@@ -183,10 +185,11 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
     # state, and a checkpoint must only ever hold steps whose loss was checked.
     started_step = saved = start_step
     pending = None  # (step, metrics) of the newest step started and not yet read
-    batches = Prefetcher(batch_at, position, position + last_step - start_step, PREFETCH_DEPTH)
+    batches = Prefetcher(lambda g: batch_at(train_rows, config, batch_sharding, g), position,
+                         position + last_step - start_step, PREFETCH_DEPTH)
     try:
         with jax.set_mesh(mesh), batches:
-            while started_step < last_step and not stop["sigterm"]:
+            while started_step < last_step and not stop.requested:
                 try:
                     _, batch = next(batches)
                 except Exception:
@@ -228,10 +231,10 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
         except CheckpointSaveError:
             pass  # raised above already, or the run is failing for another reason being raised
         metrics.close()
-        signal.signal(signal.SIGTERM, previous)
+        stop.restore()
     elapsed = time.perf_counter() - started
     return RunSummary(reader.done - start_step, reader.first_loss, reader.last_loss,
-                      reader.tokens_seen / max(elapsed, 1e-9), elapsed, stopped_early=stop["sigterm"])
+                      reader.tokens_seen / max(elapsed, 1e-9), elapsed, stopped_early=stop.requested)
 
 
 class _StepReader:
@@ -279,7 +282,7 @@ def _write_metrics(metrics: MetricsWriter, out: Path, step: int, record: dict) -
     try:
         metrics.write(step, record)
     except OSError as e:
-        raise TrainingError(f"cannot write {out / 'metrics.jsonl'}: {os.strerror(e.errno or 0)}; stopped at step "
+        raise TrainingError(f"cannot write {out / METRICS}: {os.strerror(e.errno or 0)}; stopped at step "
                             f"{step}") from None
 
 

@@ -1,6 +1,6 @@
 """Fixed-length training rows packed from a tokenized store, read from its memory-mapped arrays per batch.
 
-`PackedRows.build` packs a selection of the store's examples into the rows `finetune.data.build_rows` makes
+`PackedRows.build` packs a selection of the store's examples into the rows `finetune.data.reference.build_rows` makes
 of them (greedy, in order; an example longer than the sequence cut to it; an empty one left out) but keeps
 only a segment table.
 
@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
-from finetune.data import DataError, TruncationReport
+from finetune.data.rows import DataError, TruncationReport
 
 # Tokens of `trained` read at a time when looking for training targets (an int32 count per token).
 SCAN_BLOCK_TOKENS = 1 << 18
@@ -176,7 +176,7 @@ def _any_target(store: TokenStore, examples: np.ndarray, seq_len: int) -> bool:
 
 def truncation_report_from_store(store: TokenStore, examples: np.ndarray, seq_len: int,
                                  where: Callable[[int], str]) -> TruncationReport:
-    """`finetune.data.truncation_report` of the store's `examples` (indices, in order) from the store's
+    """`finetune.data.reference.truncation_report` of the store's `examples` (indices, in order) from the store's
     lengths and trained bits; `where(e)` names example e's row."""
     examples = np.asarray(examples, np.int64).reshape(-1)
     truncated = np.diff(np.asarray(store.starts, np.int64))[examples] > seq_len

@@ -1,5 +1,5 @@
 """Row layouts (`--data-format`): the shapes a data row may have, each mapped by `canonical` to one of the three
-forms `finetune.data.tokenize` takes: `{"text"}`, `{"prompt", "completion"}` or `{"messages"}`.
+forms `finetune.data.reference.tokenize` takes: `{"text"}`, `{"prompt", "completion"}` or `{"messages"}`.
 
 - text: `text` (every token trained);
 - prompt-completion: `prompt`, `completion` (only the completion trained);
@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Mapping
 
-from finetune.data import DataError
+from finetune.data.rows import DataError
 
 # Layout name -> the keys it reads, as shown to the user.
 LAYOUTS = {

@@ -1,4 +1,4 @@
-"""Training data: rows -> tokens with a loss mask -> fixed-length rows -> a resumable stream of batches.
+"""The per-row reference tokenizer: rows -> tokens with a loss mask -> fixed-length rows, one row at a time.
 
 Row formats: `{"text": ...}` (every token trained), `{"prompt": ..., "completion": ...}` (prompt tokens
 masked out of the loss), `{"messages": [{"role", "content"}, ...]}` (rendered with the tokenizer's chat
@@ -6,66 +6,25 @@ template; only assistant turns trained); a row must match exactly one of them. R
 sequence (`segment_ids` keep attention within each document, positions restart) or padded one to a sequence.
 An example longer than the sequence is cut to it; given the sequence length, `tokenize` tokenizes a long row only
 as far as it needs (`encode_prefix`), so a giant row costs what the sequence holds, not what the row holds.
-`tokenize` works one row at a time: it is the reference that `finetune.tokenization` (batched, in worker
-processes, into a cached store) equals and falls back to, and `build_rows` the one `finetune.packing` equals.
-
-The stream is a pure function of (seed, position): batch `g` holds rows `g*B .. g*B+B-1` of an endless
-sequence of epochs, each a seeded permutation of the rows. A checkpoint stores `g`; nothing else is needed
-to resume exactly. Each process builds only the rows its devices hold.
+Training does not run this path: `tokenize` is the reference that `finetune.data.workers` (batched, in worker
+processes, into a cached store) equals and falls back to row by row (`tokenize_row`), and `build_rows` the one
+`finetune.data.packing` equals. The tests compare the two token for token and mask for mask.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from jaxmodel.errors import UserError
-
-
-class DataError(ValueError, UserError):
-    """Bad training data; the message names the file (and line) and what was expected."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Example:
-    ids: np.ndarray  # int32 [n]
-    trained: np.ndarray  # bool [n]: whether each token is a training target
-    where: str = ""  # the row it came from (`file:line`), for reports
-
-
-@dataclasses.dataclass(frozen=True)
-class Rows:
-    """Fixed-length training rows, `[n_rows, seq_len]` each."""
-
-    input_ids: np.ndarray  # int32
-    targets: np.ndarray  # int32: the next token within the same document (0 where there is none)
-    loss_mask: np.ndarray  # float32: 1 where `targets` counts in the loss
-    segment_ids: np.ndarray  # int32: document number within the row, from 1; 0 is padding
-    positions: np.ndarray  # int32: position within the document
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def take(self, index: np.ndarray) -> dict[str, np.ndarray]:
-        return {f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)}
-
-    def padded_to_multiple(self, multiple: int) -> "Rows":
-        """Rows plus all-padding rows (no loss, no attention) up to a multiple of `multiple`."""
-        extra = -len(self) % multiple
-        return Rows(**{f.name: np.concatenate([getattr(self, f.name),
-                                               np.zeros((extra, self.input_ids.shape[1]), getattr(self, f.name).dtype)])
-                       for f in dataclasses.fields(self)})
+from finetune.data.rows import DataError, Example, Rows, TruncationReport
+from finetune.data.sources import open_source
 
 
 def read_rows(spec: str | Path) -> list[tuple[str, dict[str, Any]]]:
-    """(where, row) pairs of every row `spec` names (`finetune.data_sources.open_source`), read whole: for the
+    """(where, row) pairs of every row `spec` names (`finetune.data.sources.open_source`), read whole: for the
     per-row reference path and small files (the demo's test set), not for training data."""
-    from finetune.data_sources import open_source  # it imports this module
-
     source = open_source(str(spec))
     return [(source.where(i), dict(row)) for i, row in enumerate(source.dataset)]
 
@@ -85,7 +44,7 @@ def tokenize(rows: Sequence[tuple[str, dict[str, Any]]], tokenizer, seq_len: int
     tokenized only as far as its first `seq_len + 1` tokens (they equal the whole row's first tokens; the one
     beyond `seq_len` marks it as longer)."""
     limit = None if seq_len is None else seq_len + 1
-    return [_tokenize_row(where, row, tokenizer, limit) for where, row in rows]
+    return [tokenize_row(where, row, tokenizer, limit) for where, row in rows]
 
 
 def encode_prefix(tokenizer, text: str, limit: int | None) -> list[int]:
@@ -125,7 +84,7 @@ def _layout(where: str, row: dict[str, Any]) -> str:
                     f"found keys {sorted(row)}")
 
 
-def _tokenize_row(where: str, row: dict[str, Any], tokenizer, limit: int | None = None) -> Example:
+def tokenize_row(where: str, row: dict[str, Any], tokenizer, limit: int | None = None) -> Example:
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     layout = _layout(where, row)
@@ -155,14 +114,14 @@ def _tokenize_chat(where: str, messages: list, tokenizer, limit: int | None = No
         return _render_chat(where, messages, tokenizer)
     budget = CHARS_PER_TOKEN * (limit + CUT_MARGIN)
     while True:
-        kept, cut = _first_characters(messages, budget)
+        kept, cut = first_characters(messages, budget)
         example = _render_chat(where, kept, tokenizer, stop=limit if cut else None)
         if not cut or len(example.ids) >= limit + CUT_MARGIN:
             return Example(example.ids[:limit], example.trained[:limit], where)
         budget *= 2
 
 
-def _first_characters(messages: list[dict], budget: int) -> tuple[list[dict], bool]:
+def first_characters(messages: list[dict], budget: int) -> tuple[list[dict], bool]:
     """The conversation up to its first `budget` characters of content (each message counting one more),
     the message reaching the budget cut there and those after it left out; and whether anything was."""
     kept = []
@@ -195,38 +154,6 @@ def _render_chat(where: str, messages: list[dict], tokenizer, stop: int | None =
                             "cannot tell which tokens are the assistant's")
         trained[start:end] = True
     return Example(np.asarray(ids, np.int32), trained, where)
-
-
-@dataclasses.dataclass(frozen=True)
-class TruncationReport:
-    """What cutting examples to `seq_len` does: how many are cut, how many of those keep no training target,
-    and the first row of each kind."""
-
-    seq_len: int
-    examples: int
-    truncated: int
-    first_truncated: str | None
-    lost: int  # cut, and none of the targets left
-    first_lost: str | None
-    with_targets: int  # examples with a target within seq_len
-
-    def warning(self) -> str | None:
-        """One line for the user when examples are cut (None when none is)."""
-        if not self.truncated:
-            return None
-        lost = f" (first: {self.first_lost})" if self.lost else ""
-        return (f"{self.truncated} of {self.examples} examples are longer than --seq-len {self.seq_len} and were cut "
-                f"to it (first: {self.first_truncated}); {self.lost} of them lost all their training targets{lost}")
-
-    def require_targets(self, source: str) -> None:
-        """Raise DataError naming `source` when no example has a training target left."""
-        if self.with_targets:
-            return
-        if self.lost:
-            raise DataError(f"{source}: no token of the data is a training target within --seq-len {self.seq_len}: "
-                            f"{self.lost} of {self.examples} examples lost all their targets to truncation "
-                            f"(first: {self.first_lost})")
-        raise DataError(f"{source}: no token of the data is a training target (every example is prompt only?)")
 
 
 def truncation_report(examples: Sequence[Example], seq_len: int) -> TruncationReport:
@@ -283,18 +210,3 @@ def _empty_row(seq_len: int) -> dict[str, np.ndarray]:
     return {"input_ids": np.zeros(seq_len, np.int32), "targets": np.zeros(seq_len, np.int32),
             "loss_mask": np.zeros(seq_len, np.float32), "segment_ids": np.zeros(seq_len, np.int32),
             "positions": np.zeros(seq_len, np.int32)}
-
-
-def row_indices(n_rows: int, seed: int, batch_index: int, batch_size: int, start: int = 0,
-                stop: int | None = None, shuffle: bool = True) -> np.ndarray:
-    """Indices into the rows of global batch `batch_index`, positions `[start, stop)` within it."""
-    stop = batch_size if stop is None else stop
-    stream = np.arange(batch_index * batch_size + start, batch_index * batch_size + stop)
-    epochs, offsets = np.divmod(stream, n_rows)
-    if not shuffle:
-        return offsets
-    out = np.empty_like(offsets)
-    for epoch in np.unique(epochs):
-        permutation = np.random.default_rng([seed, int(epoch)]).permutation(n_rows)
-        out[epochs == epoch] = permutation[offsets[epochs == epoch]]
-    return out

@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from finetune.run.files import METRICS, TENSORBOARD
 from jaxmodel.config import LlamaConfig
 
 
@@ -52,10 +53,10 @@ class MetricsWriter:
         self._tb = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+            self._jsonl = open(run_dir / METRICS, "a", encoding="utf-8")
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(logdir=str(run_dir / "tensorboard"), purge_step=purge_step)
+            self._tb = SummaryWriter(logdir=str(run_dir / TENSORBOARD), purge_step=purge_step)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import jax
 import orbax.checkpoint as ocp
 
-from finetune.step import TrainState
+from finetune.step.train_step import TrainState
 from jaxmodel.errors import UserError
 
 

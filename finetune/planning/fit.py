@@ -17,14 +17,14 @@ import shlex
 import jax
 
 from finetune.config import ConfigFileError, TrainConfig, flag_of
-from finetune.mesh import parse_mesh
-from finetune.planning import GB, PlanReport, plan
-from finetune.allocator import usable_memory
+from finetune.step.mesh import parse_mesh
+from finetune.planning.plan import GB, PlanReport, plan
+from finetune.planning.allocator import usable_memory
 from jaxmodel.sharding import MESH_AXES
 
-# Options that describe the plan, not the run: left out of the command line --fit prints.
-# A quantized base is a property of the converted checkpoint a run trains on, never an option of the run.
-PLAN_ONLY = ("plan", "fit", "model_config", "hbm_gb", "show_sharding", "quantize", "quant_block")
+# Options that describe the plan, not the run (declared with plan_only=True in finetune/config.py): left out
+# of the command line --fit prints.
+PLAN_ONLY = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["plan_only"])
 
 
 @dataclasses.dataclass

@@ -1,10 +1,5 @@
-"""Read a finetune-lora run directory: its config (as started, and as changed by resumes), and the LoRA
-parameters of one of its checkpoints.
-
-    RUN/run_config.json     the TrainConfig the run was started with (never rewritten by a resume)
-    RUN/resumes.jsonl       one line per `--resume`: time, step resumed from, options changed [old, new]
-    RUN/checkpoints/STEP/   Orbax checkpoints
-    RUN/metrics.jsonl       one line per logged step; RUN/tensorboard/
+"""Read a finetune-lora run directory (`finetune.run.files`): its config (as started, and as changed by
+resumes), and the LoRA parameters of one of its checkpoints.
 """
 
 from __future__ import annotations
@@ -19,23 +14,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from finetune.checkpoints import CheckpointError, RunCheckpoints, describe_damaged
+from finetune.run.checkpoints import CheckpointError, RunCheckpoints, describe_damaged
 from finetune.config import TrainConfig
-from finetune.step import TrainState, make_optimizer, split_model
+from finetune.run.errors import RunError
+from finetune.run.files import CHECKPOINTS, RESUMES, RUN_CONFIG
+from finetune.step.train_step import TrainState, make_optimizer, split_model
 from jaxmodel.config import LlamaConfig
-from jaxmodel.errors import UserError
 from jaxmodel.formats.io import read_json
-from jaxmodel.formats.markers import RUN_CONFIG
 from jaxmodel.lora import LoraConfig, apply_lora
 from jaxmodel.model import LlamaForCausalLM
-
-
-RESUMES = "resumes.jsonl"
-CHECKPOINTS = "checkpoints"
-
-
-class RunError(ValueError, UserError):
-    """A directory that is not a usable finetune-lora run; the message names the file and what is wrong."""
 
 
 def read_run_config(run_dir: str | Path) -> TrainConfig:

@@ -24,11 +24,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from finetune.config import ConfigFileError, TrainConfig
-from finetune.memory import per_device_bytes, sharding_table
-from finetune.mesh import make_mesh
-from finetune.setup import check_batch_split, check_rank, check_seq_len, layer_shapes
-from finetune.step import BATCH_KEYS, DTYPES, TrainState, jit_steps, make_optimizer, optimizer_shardings, split_model
-from finetune.allocator import FRACTION, UsableMemory, fraction_to_fit, usable_memory
+from finetune.step.memory import per_device_bytes, sharding_table
+from finetune.step.mesh import make_mesh
+from finetune.step.checks import check_batch_split, check_rank, check_seq_len, layer_shapes
+from finetune.step.train_step import BATCH_KEYS, DTYPES, TrainState, jit_steps, make_optimizer, optimizer_shardings, split_model
+from finetune.planning.allocator import FRACTION, UsableMemory, fraction_to_fit, usable_memory
 from jaxmodel.config import LlamaConfig
 from jaxmodel.formats.checkpoint import MANIFEST, checkpoint_quantization, read_manifest
 from jaxmodel.layers import QuantizedParam

@@ -1,0 +1,148 @@
+"""The data of a run: --data and --eval-data tokenized (from the cache, or now), --eval-fraction's split, and
+the packed rows training and evaluation read, with the run's data summary and truncation warning lines.
+
+Imports no JAX: the caller says whether this is the process that prints (`main`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from finetune.config import TrainConfig
+from finetune.data.cache import CachedData, load_tokenized, loaded_tokenizer_digest
+from finetune.data.layouts import Detection, detect
+from finetune.data.packing import PackedRows, truncation_report_from_store
+from finetune.data.rows import DataError, TruncationReport
+from finetune.data.sources import DataSource, names_files, open_source
+
+
+def load_data(config: TrainConfig, tokenizer, tokenizer_from_model: bool = False, main: bool = True
+              ) -> tuple[PackedRows, PackedRows | None]:
+    """Training rows and held-out rows (--eval-data, or --eval-fraction of --data), packed from the data tokenized
+    once and cached (finetune.data.cache). Examples cut to --seq-len are counted in one warning line on stderr;
+    data left with no training target is an error. Process 0 shows the tokenizing progress and ends with one
+    summary line on stderr. `tokenizer_from_model`: see `tokenize_data`; `main`: this process prints."""
+    return pack_data(config, tokenize_data(config, tokenizer, tokenizer_from_model, main), main)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunData:
+    """--data (and --eval-data) tokenized, and which of their examples train and which are held out."""
+
+    data: _Tokenized
+    examples: np.ndarray  # int64: the examples of `data` that train
+    held_out: _Tokenized | None  # `data` itself for --eval-fraction
+    eval_examples: np.ndarray | None
+    eval_name: str
+    started: float  # perf_counter() when loading began
+
+    def record(self, config: TrainConfig) -> dict[str, dict]:
+        """What the run trains (`data`) and evaluates (`eval_data`, with --eval-data) on, as tokens: for each its
+        path, the digest of its whole tokenized store (before --eval-fraction splits it), its counts, and
+        what the tokens were made from (the data's fingerprint, the tokenizer's digest)."""
+        record = {"data": self.data.record(config.data)}
+        if config.eval_data:
+            record["eval_data"] = self.held_out.record(config.eval_data)
+        return record
+
+
+def tokenize_data(config: TrainConfig, tokenizer, tokenizer_from_model: bool = False, main: bool = True) -> RunData:
+    """--data and --eval-data tokenized (from the cache, or now) and --eval-fraction's split of --data.
+    `tokenizer_from_model`: `tokenizer` is `AutoTokenizer.from_pretrained(config.model)`, unchanged, so the
+    cache is keyed on --model's files (`loaded_tokenizer_digest`) rather than on the serialized tokenizer."""
+    started = time.perf_counter()
+    key = loaded_tokenizer_digest(config.model, tokenizer) if tokenizer_from_model else None
+    data = _tokenized(config, open_source(config.data, split=config.data_split, subset=config.data_subset),
+                      tokenizer, main, key)
+    examples, held_out, eval_examples, eval_name = np.arange(len(data.source)), None, None, config.data
+    if config.eval_data:
+        subset = None if names_files(config.eval_data) else config.data_subset  # a subset is a dataset id's
+        eval_source = open_source(config.eval_data, split=config.eval_split, subset=subset)
+        held_out, eval_name = _tokenized(config, eval_source, tokenizer, main, key), config.eval_data
+        eval_examples = np.arange(len(held_out.source))
+    elif config.eval_fraction > 0:
+        order = np.random.default_rng(config.seed).permutation(len(data.source))
+        n_eval = max(1, int(len(data.source) * config.eval_fraction))
+        eval_examples, examples = np.sort(order[:n_eval]), np.sort(order[n_eval:])
+        held_out, eval_name = data, f"{config.data} (the rows held out by --eval-fraction)"
+        if not len(examples):
+            raise DataError(f"{config.data}: no training rows left after --eval-fraction {config.eval_fraction}")
+    return RunData(data, examples, held_out, eval_examples, eval_name, started)
+
+
+def pack_data(config: TrainConfig, run_data: RunData, main: bool = True) -> tuple[PackedRows, PackedRows | None]:
+    """`run_data`'s training and held-out rows packed (see `load_data`), with its warning and summary lines."""
+    data, examples, held_out, eval_examples = (run_data.data, run_data.examples, run_data.held_out,
+                                               run_data.eval_examples)
+    report = data.report(examples, config.seq_len)
+    report.require_targets(config.data)
+    if held_out is not None:
+        eval_report = held_out.report(eval_examples, config.seq_len)
+        eval_report.require_targets(run_data.eval_name)
+        report = _both(report, eval_report)
+    warning = report.warning()
+    if warning and main:
+        print(f"finetune-lora: warning: {warning}", file=sys.stderr)
+    train_rows = PackedRows.build(data.cached.data, examples, config.seq_len, config.pack)
+    eval_rows = None if held_out is None else PackedRows.build(held_out.cached.data, eval_examples, config.seq_len,
+                                                              config.pack)
+    if main:
+        kind = "packed" if config.pack else "padded"
+        line = (f"{data.layout.report(len(data.source))}; {_amount(data.cached.data.meta['tokens'])} tokens -> "
+                f"{len(train_rows):,} {kind} rows of {config.seq_len}")
+        if eval_rows is not None:
+            line += f" (+ {len(eval_rows):,} held out, from {len(eval_examples):,} rows)"
+        line += (f"; {report.truncated:,} truncated, {report.examples - report.with_targets:,} with no targets; "
+                 f"{data.cache_status()}")
+        if config.eval_data:
+            line += f"; --eval-data {held_out.cache_status()}"
+        line += f"; prepared in {time.perf_counter() - run_data.started:.1f} s"
+        print(f"finetune-lora: data: {line}", file=sys.stderr)
+    return train_rows, None if eval_rows is None else eval_rows.padded_to_multiple(config.batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tokenized:
+    source: DataSource
+    layout: Detection
+    cached: CachedData
+
+    def report(self, examples: np.ndarray, seq_len: int) -> TruncationReport:
+        return truncation_report_from_store(self.cached.data, examples, seq_len, self.source.where)
+
+    def cache_status(self) -> str:
+        return f"cache {'hit' if self.cached.hit else 'miss'} ({self.cached.directory})"
+
+    def record(self, path: str) -> dict[str, Any]:
+        store = self.cached.data
+        return {"path": path, "digest": self.cached.digest, "examples": len(store), "tokens": int(store.starts[-1]),
+                "source": self.cached.key["data"], "tokenizer": self.cached.key["tokenizer"]}
+
+
+def _tokenized(config: TrainConfig, source: DataSource, tokenizer, main: bool,
+               tokenizer_key: str | None = None) -> _Tokenized:
+    """`source` tokenized by --data-format: from the cache, or now (with a progress bar on process 0)."""
+    layout = detect(source.dataset.column_names, source.description, config.data_format)
+    cached = load_tokenized(source, tokenizer, config.seq_len, layout.layout, cache=config.data_cache,
+                            workers=config.data_workers, progress=config.progress and main, tokenizer_key=tokenizer_key)
+    return _Tokenized(source, layout, cached)
+
+
+def _both(a: TruncationReport, b: TruncationReport) -> TruncationReport:
+    """One report of the examples of `a` followed by those of `b`."""
+    return TruncationReport(seq_len=a.seq_len, examples=a.examples + b.examples, truncated=a.truncated + b.truncated,
+                            first_truncated=a.first_truncated or b.first_truncated, lost=a.lost + b.lost,
+                            first_lost=a.first_lost or b.first_lost, with_targets=a.with_targets + b.with_targets)
+
+
+def _amount(n: int) -> str:
+    """A count for people: 1234567 -> 1.2M."""
+    for unit, size in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)

@@ -1,0 +1,49 @@
+"""Checks of a run's settings against its mesh and model, made before anything is compiled: by training
+(`finetune.train.build`) and by `--plan` alike."""
+
+from __future__ import annotations
+
+from jax.sharding import Mesh
+
+from finetune.config import ConfigFileError, TrainConfig
+from jaxmodel.config import LlamaConfig
+from jaxmodel.sharding import Rules, batch_mesh_axes, batch_ways
+
+
+def check_batch_split(config: TrainConfig, mesh: Mesh, rules: Rules) -> None:
+    """Each device holds whole rows of every micro-batch."""
+    ways = batch_ways(mesh, rules)
+    if (config.batch_size // config.grad_accum) % ways:
+        names = " x ".join(batch_mesh_axes(mesh, rules))
+        raise ConfigFileError(f"--batch-size {config.batch_size} / --grad-accum {config.grad_accum} must be a multiple "
+                              f"of {names} = {ways} (each device holds whole rows)")
+
+
+def check_seq_len(config: TrainConfig, llama: LlamaConfig, mesh: Mesh) -> None:
+    if config.seq_len > llama.max_position_embeddings:
+        raise ConfigFileError(f"--seq-len {config.seq_len} exceeds the model's max_position_embeddings "
+                              f"({llama.max_position_embeddings})")
+    cp = mesh.shape.get("cp", 1)
+    if cp > 1 and config.seq_len % (2 * cp):
+        raise ConfigFileError(f"--seq-len {config.seq_len} must be a multiple of 2 x cp = {2 * cp} (each device of "
+                              "the cp axis holds two equal chunks of every sequence)")
+
+
+def layer_shapes(llama: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each linear layer LoRA can adapt, by HF module name."""
+    hidden, mlp = llama.hidden_size, llama.intermediate_size
+    q, kv = llama.num_attention_heads * llama.head_dim, llama.num_key_value_heads * llama.head_dim
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, mlp), "up_proj": (hidden, mlp), "down_proj": (mlp, hidden),
+            "lm_head": (hidden, llama.vocab_size)}
+
+
+def check_rank(config: TrainConfig, llama: LlamaConfig) -> None:
+    """A LoRA rank no larger than the smallest dimension of any adapted layer (a larger one adds parameters
+    that cannot raise the update's rank, and can make the adapters larger than the model)."""
+    shapes = layer_shapes(llama)
+    name = min((t for t in config.target_modules if t in shapes), key=lambda t: min(shapes[t]), default=None)
+    if name is not None and config.rank > min(shapes[name]):
+        (n_in, n_out), most = shapes[name], min(shapes[name])
+        raise ConfigFileError(f"--rank {config.rank} is larger than the smallest adapted layer: {name} ({n_in} -> "
+                              f"{n_out}) allows a rank of at most {most}")

@@ -1,0 +1,117 @@
+"""`setup(config)`: everything a run needs before its first step, as one frozen `Run`."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from finetune.config import TrainConfig
+from finetune.data.packing import PackedRows
+from finetune.data.prepare import pack_data, tokenize_data
+from finetune.step.checks import check_batch_split, check_rank, check_seq_len
+from finetune.step.memory import sharding_table
+from finetune.step.mesh import initialize_distributed, make_mesh
+from finetune.step.train_step import DTYPES, TrainState, jit_steps, make_optimizer, optimizer_shardings, split_model
+from jaxmodel.config import LlamaConfig
+from jaxmodel.formats.checkpoint import read_manifest
+from jaxmodel.formats.peft_adapter import load_peft_adapter, read_adapter
+from jaxmodel.lora import apply_lora
+from jaxmodel.pretrained import load_pretrained
+from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, named_sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A run ready for its first step: the mesh, the model split into graph / frozen base / train state, the
+    jitted steps and the data. `config` carries an `--init-adapter`'s LoRA shape."""
+
+    config: TrainConfig
+    mesh: Mesh
+    llama: LlamaConfig
+    model: Any  # the LlamaForCausalLM with adapters, sharing its arrays with `base` and `state.lora`
+    graphdef: Any
+    base: nnx.State
+    state: TrainState
+    train_step: Callable
+    eval_step: Callable
+    batch_sharding: NamedSharding
+    train_rows: PackedRows
+    eval_rows: PackedRows | None
+    tokenizer: Any
+    data_record: dict[str, dict]  # RunData.record: the tokens the run trains and evaluates on
+
+
+def _place(tree, mesh, rules):
+    """Put every LoRA variable onto the sharding its logical axes give (same values on every process)."""
+    def place(var):
+        value = np.asarray(var[...])
+        sharding = named_sharding(var.get_metadata()["axes"], value.shape, mesh, rules)
+        var.set_value(jax.make_array_from_callback(value.shape, sharding, lambda i: value[i]))
+        return var
+    return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def with_adapter_shape(config: TrainConfig) -> TrainConfig:
+    """`config` with an `--init-adapter`'s r, alpha, rsLoRA and targets in place of its own (what the run trains)."""
+    if not config.init_adapter:
+        return config
+    adapter = read_adapter(config.init_adapter)[0]
+    return dataclasses.replace(config, rank=adapter.rank, alpha=adapter.alpha, rslora=adapter.rslora,
+                               targets=",".join(sorted(adapter.targets)))
+
+
+def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dict]], None] | None = None) -> Run:
+    """Mesh (over `devices`, default all), model with LoRA, data, optimizer and jitted steps. `check_data` is
+    given the data's record (`RunData.record`) as soon as the data is tokenized, before the model is loaded."""
+    if not jax.distributed.is_initialized():  # run_training joins first, to know which process owns the run dir
+        initialize_distributed(config.coordinator, config.num_processes, config.process_id)
+    mesh = make_mesh(config.mesh, devices)
+    rules = DEFAULT_RULES
+    check_batch_split(config, mesh, rules)
+    model_dir = Path(config.model)
+    read_manifest(model_dir)  # a clear error for a directory that is not a converted checkpoint
+    llama = LlamaConfig.from_hf(model_dir)
+    check_seq_len(config, llama, mesh)
+    if not config.init_adapter:  # an adapter brings its own rank, checked against the model as it loads
+        check_rank(config, llama)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    main = jax.process_index() == 0
+    run_data = tokenize_data(config, tokenizer, tokenizer_from_model=True, main=main)
+    data_record = run_data.record(config)
+    if check_data is not None:
+        check_data(data_record)
+    train_rows, eval_rows = pack_data(config, run_data, main)
+
+    config = with_adapter_shape(config)
+    param_dtype = None if config.param_dtype == "keep" else DTYPES[config.param_dtype]
+    with jax.set_mesh(mesh):
+        model = load_pretrained(model_dir, mesh=mesh, dtype=DTYPES[config.dtype], param_dtype=param_dtype,
+                                remat=config.remat, attention=config.attention_impl(mesh.shape.get("cp", 1)),
+                                mlp_chunk=config.mlp_chunk, rules=rules)
+        if config.init_adapter:
+            load_peft_adapter(model, config.init_adapter)
+        else:
+            apply_lora(model, config.lora_config(), rngs=nnx.Rngs(config.seed))
+        graphdef, lora, base = split_model(model)
+        lora = _place(lora, mesh, rules)
+        tx, schedule = make_optimizer(config)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        opt_state = jax.jit(tx.init, out_shardings=optimizer_shardings(tx, lora, replicated))(lora)
+        state = TrainState(jax.device_put(jnp.int32(0), replicated), lora, opt_state,
+                           jax.device_put(jax.random.key(config.seed), replicated))
+    if config.show_sharding and jax.process_index() == 0:
+        print("\n".join(sharding_table(base, lora)))
+        jax.debug.visualize_array_sharding(model.embed_tokens.weight[...])
+    train_step, eval_step = jit_steps(graphdef, config, tx, schedule, state, base, mesh, rules)
+    return Run(config=config, mesh=mesh, llama=llama, model=model, graphdef=graphdef, base=base, state=state,
+               train_step=train_step, eval_step=eval_step, batch_sharding=batch_sharding(mesh, rules),
+               train_rows=train_rows, eval_rows=eval_rows, tokenizer=tokenizer, data_record=data_record)
