@@ -29,6 +29,7 @@ SECTIONS = {
     "mesh": "Mesh and hosts",
     "rank": "LoRA",
     "steps": "Optimisation",
+    "objective": "Preference tuning",
     "dtype": "Numerics and memory",
     "checkpoint_every": "Checkpoints and logging",
     "plan": "Planning without hardware",
@@ -75,10 +76,13 @@ class TrainConfig:
     data: str | None = option(None, "training data: a .jsonl/.json/.parquet/.csv file, a directory or glob of such "
                                      "files (read in sorted name order), or a dataset id in the HF datasets cache",
                               resume=Refused("the rows the stored data position counts through"))
-    data_format: Literal["auto", "text", "prompt-completion", "messages", "alpaca", "sharegpt"] = option(
+    data_format: Literal["auto", "text", "prompt-completion", "messages", "alpaca", "sharegpt", "preference",
+                         "preference-chat", "preference-conversations"] = option(
         "auto", "row layout of --data and --eval-data: text, prompt-completion, messages (OpenAI chat), alpaca "
-                "(instruction/input/output) or sharegpt (conversations of from/value); auto detects it and reports "
-                "what it found",
+                "(instruction/input/output) or sharegpt (conversations of from/value); for a preference objective "
+                "preference (prompt/chosen/rejected strings), preference-chat (prompt messages, chosen/rejected "
+                "replies) or preference-conversations (chosen/rejected conversations sharing their prompt turns); "
+                "auto detects it and reports what it found",
         resume=Refused("how each row becomes tokens and training targets"))
     data_split: str = option("train", "split of a dataset id given as --data",
                              resume=Refused("which rows --data names"))
@@ -155,6 +159,25 @@ class TrainConfig:
                                              "state's structure)"))
     seed: int = option(0, "seed of LoRA initialisation, data order and dropout",
                        resume=Refused("the data order and dropout keys"))
+    # preference tuning
+    objective: Literal["sft", "dpo", "ipo", "simpo", "orpo"] = option(
+        "sft", "what the step minimises: sft (next-token loss on the trained tokens) or a preference objective on "
+               "chosen/rejected pairs (dpo, ipo, simpo, orpo; docs/preference.md); with a preference objective "
+               "--batch-size counts pairs",
+        resume=Refused("the function being optimised"))
+    beta: float = option(0.1, "dpo/ipo/simpo: the inverse temperature b of the preference loss",
+                         resume=Refused("the function being optimised"))
+    label_smoothing: float = option(0.0, "dpo only: the conservative DPO's assumed label noise e, "
+                                         "-(1-e) log s(b D) - e log s(-b D)",
+                                    resume=Refused("the function being optimised"))
+    simpo_gamma: float = option(0.5, "simpo only: the target reward margin gamma",
+                                resume=Refused("the function being optimised"))
+    orpo_lambda: float = option(0.1, "orpo only: the weight lambda of the odds-ratio term",
+                                resume=Refused("the function being optimised"))
+    reference: Literal["auto", "base", "init"] = option(
+        "auto", "dpo/ipo only: the reference model: base (the base model with every LoRA branch off), init (the "
+                "--init-adapter as loaded, frozen); auto: init with --init-adapter, else base",
+        resume=Refused("the reference the losses are measured against"))
     # numerics and memory
     dtype: Literal["bfloat16", "float32"] = option("bfloat16", "compute dtype of the forward/backward pass",
                                                    resume=Refused("the numerics of the function being trained"))
@@ -248,6 +271,7 @@ class TrainConfig:
             self.lora_config()
         except ValueError as e:
             raise ConfigFileError(f"--rank/--alpha/--targets/--lora-dropout: {e}") from None
+        self._validate_objective()
         if self.fit and not self.plan:
             raise ConfigFileError("--fit goes with --plan")
         if self.plan:
@@ -258,6 +282,33 @@ class TrainConfig:
                 if not getattr(self, name):
                     raise ConfigFileError(f"--{name} is required")
         return self
+
+
+    @property
+    def preference(self) -> bool:
+        """Whether the run trains a preference objective on chosen/rejected pairs."""
+        return self.objective != "sft"
+
+    def reference_model(self) -> str | None:
+        """The reference a dpo/ipo run measures against (`--reference` with `auto` resolved); None for the
+        objectives that have none."""
+        if self.objective not in ("dpo", "ipo"):
+            return None
+        if self.reference == "auto":
+            return "init" if self.init_adapter else "base"
+        return self.reference
+
+    def _validate_objective(self) -> None:
+        """An option that belongs to another objective is refused rather than silently ignored."""
+        owners = {"beta": ("dpo", "ipo", "simpo"), "label_smoothing": ("dpo",), "simpo_gamma": ("simpo",),
+                  "orpo_lambda": ("orpo",), "reference": ("dpo", "ipo")}
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        for name, objectives in owners.items():
+            if getattr(self, name) != defaults[name] and self.objective not in objectives:
+                goes_with = " or ".join(f"--objective {o}" for o in objectives)
+                raise ConfigFileError(f"--{flag_of(name)} goes with {goes_with}, not --objective {self.objective}")
+        if self.reference == "init" and not self.init_adapter:
+            raise ConfigFileError("--reference init needs --init-adapter (the adapter the reference is)")
 
 
 # (accepts(value), what is expected) for each numeric option; comparisons with NaN are false, so NaN is refused.
@@ -291,6 +342,10 @@ OPTION_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "adam_b2": _UNIT_OPEN,
     "adam_eps": _POSITIVE,
     "clip_norm": _NON_NEGATIVE,
+    "beta": _POSITIVE,
+    "label_smoothing": (lambda v: 0 <= v < 0.5, "in [0, 0.5)"),
+    "simpo_gamma": (lambda v: math.isfinite(v), "a finite number"),
+    "orpo_lambda": _NON_NEGATIVE,
     "seed": (lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)"),  # what numpy and JAX take as a seed
     "loss_chunk": _COUNT,
     "mlp_chunk": _COUNT,

@@ -1,5 +1,5 @@
-"""One process of the 2-process test in test_finetune.py: loss and LoRA gradients of the first global
-batch, computed across processes over loopback (gloo), written by process 0."""
+"""One process of the 2-process tests (test_finetune.py; test_preference_paths.py with `dpo`): loss and LoRA
+gradients of the first global batch, computed across processes over loopback (gloo), written by process 0."""
 
 import os
 import sys
@@ -12,30 +12,45 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 from finetune.config import TrainConfig  # noqa: E402
 from finetune.data.order import row_indices  # noqa: E402
-from finetune.step.train_step import loss_and_grads  # noqa: E402
+from finetune.step.preference import Objective  # noqa: E402
+from finetune.step.train_step import loss_and_grads, preference_loss_and_grads  # noqa: E402
 from finetune.train.build import setup  # noqa: E402
+from finetune.train.batches import pair_batch  # noqa: E402
 from finetune.train.loop import global_batch  # noqa: E402
 
 
-def main(model, data, out, port, process_id, mesh="dp=2,fsdp=4,mp=1"):
+def main(model, data, out, port, process_id, mesh="dp=2,fsdp=4,mp=1", objective="sft"):
+    # a preference run as tests/test_preference_training.py's `config` makes it
+    preference = {"objective": "dpo", "targets": "q_proj,v_proj", "remat": "none"} if objective == "dpo" else {}
     config = TrainConfig(model=model, data=data, out=out, mesh=mesh, steps=1, batch_size=8, seq_len=32,
                          dtype="float32", progress=False, coordinator=f"127.0.0.1:{port}", num_processes=2,
-                         process_id=int(process_id)).validate()
+                         process_id=int(process_id), **preference).validate()
     run = setup(config)
     assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
     lora = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), run.state.lora)
     with jax.set_mesh(run.mesh):
-        batch = global_batch(run.train_rows, lambda lo, hi: row_indices(len(run.train_rows), 0, 0, 8, lo, hi),
-                              run.batch_sharding, 8)
-        fn = jax.jit(lambda lora, base, batch: loss_and_grads(run.graphdef, lora, base, batch,
-                                                              loss_chunk=config.loss_chunk))
-        loss, tokens, grads = fn(lora, run.base, batch)
-        gathered = multihost_utils.process_allgather((loss, tokens, grads), tiled=True)
+        if config.preference:
+            base, reference = run.frozen
+            batch = pair_batch(run.train_rows, run.batch_sharding, 0)
+            fn = jax.jit(lambda lora, base, batch: preference_loss_and_grads(
+                run.graphdef, lora, base, reference, batch, Objective.of(config), config.batch_size,
+                loss_chunk=config.loss_chunk))
+            loss, metrics, grads = fn(lora, base, batch)
+            count = metrics["pairs"]
+        else:
+            batch = global_batch(run.train_rows, lambda lo, hi: row_indices(len(run.train_rows), 0, 0, 8, lo, hi),
+                                  run.batch_sharding, 8)
+            fn = jax.jit(lambda lora, base, batch: loss_and_grads(run.graphdef, lora, base, batch,
+                                                                  loss_chunk=config.loss_chunk))
+            loss, count, grads = fn(lora, run.base, batch)
+        gathered = multihost_utils.process_allgather((loss, count, grads), tiled=True)
     if jax.process_index() == 0:
         from flax import nnx
 
         flat = {".".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(gathered[2])}
-        np.savez(os.path.join(out, "grads.npz"), loss=np.asarray(gathered[0]), tokens=np.asarray(gathered[1]), **flat)
+        counted = "pairs" if config.preference else "tokens"
+        np.savez(os.path.join(out, "grads.npz"), loss=np.asarray(gathered[0]), **{counted: np.asarray(gathered[1])},
+                 **flat)
     jax.distributed.shutdown()
 
 

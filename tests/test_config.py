@@ -213,3 +213,39 @@ def test_an_option_without_a_resume_policy_cannot_be_defined():
         option(1, "a new option", resume="allowed")
     with pytest.raises(TypeError, match="resume= must be Refused, Allowed or NotCompared with a reason"):
         option(1, "a new option", resume=Refused(""))
+
+
+# ---- preference objectives: each knob goes with its objective ------------------------------------------
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--beta", "0.2"], "--beta goes with --objective dpo or --objective ipo or --objective simpo, not --objective sft"),
+    (["--objective", "orpo", "--beta", "0.2"], "--beta goes with"),
+    (["--objective", "ipo", "--label-smoothing", "0.1"], "--label-smoothing goes with --objective dpo, not --objective ipo"),
+    (["--objective", "dpo", "--simpo-gamma", "1"], "--simpo-gamma goes with --objective simpo"),
+    (["--objective", "simpo", "--orpo-lambda", "0.5"], "--orpo-lambda goes with --objective orpo"),
+    (["--objective", "simpo", "--reference", "base"], "--reference goes with --objective dpo or --objective ipo"),
+    (["--objective", "dpo", "--reference", "init"], "--reference init needs --init-adapter"),
+    (["--objective", "dpo", "--label-smoothing", "0.5"], "--label-smoothing must be in [0, 0.5), got 0.5"),
+    (["--objective", "dpo", "--beta", "0"], "--beta must be a finite number > 0, got 0.0"),
+    (["--objective", "kto"], "--objective: invalid choice"),
+])
+def test_an_option_of_another_objective_is_one_line_and_exit_2(tmp_path, capsys, flags, message):
+    from finetune.cli import main
+
+    try:
+        code = main(["--model", "m", "--data", "d", "--out", str(tmp_path / "r"), *flags])
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    assert code == 2 and not (tmp_path / "r").exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and "Traceback" not in "".join(err)
+
+
+def test_the_reference_follows_the_initial_adapter():
+    def reference(**kw):
+        return TrainConfig(model="m", data="d", out="o", **kw).validate().reference_model()
+
+    assert reference(objective="dpo") == "base" and reference(objective="ipo", init_adapter="a") == "init"
+    assert reference(objective="dpo", init_adapter="a", reference="base") == "base"
+    assert reference(objective="simpo") is None and reference(objective="sft") is None

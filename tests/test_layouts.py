@@ -14,7 +14,7 @@ from finetune.data.reference import read_rows, tokenize
 
 from finetune.data.rows import DataError
 from finetune.data.sources import open_source
-from finetune.data.layouts import LAYOUTS, canonical, detect
+from finetune.data.layouts import DATA_FORMATS, LAYOUTS, canonical, detect
 
 ACCEPTED = ("text (text) | prompt-completion (prompt, completion) | messages (messages) | "
             "alpaca (instruction, input (optional), output) | sharegpt (conversations)")
@@ -26,7 +26,7 @@ def test_the_layouts_are_the_data_format_choices():
     from finetune.config import TrainConfig
 
     choices = typing.get_args(typing.get_type_hints(TrainConfig)["data_format"])
-    assert list(choices) == ["auto", *LAYOUTS]
+    assert list(choices) == list(DATA_FORMATS)
 
 
 # ---- alpaca ------------------------------------------------------------------------------------------

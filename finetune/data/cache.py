@@ -5,11 +5,11 @@ The key hashes the data's fingerprint (each file's path, size and mtime, or a ca
 what decides how the tokenizer tokenizes (its whole serialized pipeline: vocabulary, merges, added and special
 tokens, normalizer, pre-tokenizer; or, for a tokenizer loaded unchanged from a directory, that directory's
 files and the library versions; its chat template; BOS and EOS; whether special tokens are split), the
-row layout, the sequence length (a long row is tokenized only as far as it needs) and CACHE_VERSION. An entry
-is built in a temporary sibling directory and renamed into place with its `meta.json` written last, so a
-half-written entry is never used; the temporaries of a build that was killed are removed by the next build of
-that key. An exclusive lock (`flock` on `KEY.lock`) per key makes processes sharing the directory build an
-entry once: the others wait, then reuse it.
+row layout (which also tells preference pairs, two examples a row, from SFT rows), the sequence length (a long
+row is tokenized only as far as it needs) and CACHE_VERSION. An entry is built in a temporary sibling directory
+and renamed into place with its `meta.json` written last, so a half-written entry is never used; the temporaries
+of a build that was killed are removed by the next build of that key. An exclusive lock (`flock` on `KEY.lock`)
+per key makes processes sharing the directory build an entry once: the others wait, then reuse it.
 
 Each entry also holds `digest.json`: a sha256 of its tokens (example boundaries, ids, training targets), the same
 for the same tokens however they were built (any number of workers, any cache directory, any path or mtime of

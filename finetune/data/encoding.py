@@ -5,7 +5,8 @@ A canonical row is `{"text"}`, `{"prompt", "completion"}` or `{"messages"}` (see
 cut at `seq_len + 1` tokens keeps a giant row from being tokenized whole. A chat is rendered and encoded once:
 the boundaries of its assistant turns come from its shape (`finetune.data.chat_shapes`), are mapped onto the
 encoding by its offsets, and each is checked to tokenize as the prefix alone would; a row where any check
-fails goes through the reference path instead.
+fails goes through the reference path instead. A preference pair (`{"chosen": row, "rejected": row}`) is two
+examples, encoded among the batch's other rows; a chat side trains only its final turn (its last span).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import numpy as np
 from finetune.data.chat_shapes import (MAX_REMEMBERED_TAIL, MAX_REMEMBERED_TAILS, MAX_SHAPES, SHAPE_CHECKS, ChatPlan,
                                        ChatShape)
 from finetune.data.layouts import AUTO, canonical as layout_canonical
-from finetune.data.reference import CHARS_PER_TOKEN, CUT_MARGIN, first_characters, tokenize_row
-from finetune.data.rows import DataError
+from finetune.data.reference import (CHARS_PER_TOKEN, CUT_MARGIN, PAIR_KEYS, first_characters, is_pair,
+                                     tokenize_pair, tokenize_reply, tokenize_row)
+from finetune.data.rows import DataError, Example
 
 Canonical = Callable[[dict, str, str], dict]
 # An example's training targets: a mask over its tokens, or the [start, end) spans of its trained tokens.
@@ -38,12 +40,13 @@ def _empty():
 
 @dataclasses.dataclass
 class EncodedBatch:
-    """One batch's examples, concatenated; or the index within the batch of its first bad row."""
+    """One batch's examples, concatenated (one per row, two per preference pair); or the index within the batch
+    of its first bad row."""
 
     ids: np.ndarray  # int32 [tokens]
     trained: np.ndarray  # bool [tokens]
-    lengths: np.ndarray  # int64 [rows]
-    fallbacks: int = 0  # rows tokenized by the per-row reference path
+    lengths: np.ndarray  # int64 [examples]
+    fallbacks: int = 0  # rows tokenized (in part) by the per-row reference path
     bad_row: int | None = None
 
 
@@ -93,35 +96,51 @@ class BatchTokenizer:
         return EncodedBatch(ids, trained, lengths, fallbacks)
 
     def tokenize(self, rows: Sequence[dict]) -> tuple[list[tuple[list[int], Targets]], int]:
-        """(ids, targets) of each canonical row, and how many went through the reference path. Raises
-        _BadRow for the first row the reference path rejects."""
-        out: list[Any] = [None] * len(rows)
-        texts = [i for i, row in enumerate(rows) if "text" in row]
-        pairs = [i for i, row in enumerate(rows) if "prompt" in row]
-        chats = [i for i, row in enumerate(rows) if "messages" in row]
+        """(ids, targets) of each canonical row's examples (one per row, two per pair), and how many rows went
+        (in part) through the reference path. Raises _BadRow for the first row the reference path rejects."""
+        # the examples to make: (row index, canonical row, how the reference path tokenizes it alone)
+        units: list[tuple[int, dict, Callable]] = []
+        broken = set()  # a pair that is not two rows: the reference path's error names what is wrong
+        for r, row in enumerate(rows):
+            if not is_pair(row):
+                units.append((r, row, tokenize_row))
+            elif all(isinstance(row.get(key), dict) for key in PAIR_KEYS) and not set(row) - set(PAIR_KEYS):
+                units.extend((r, row[key], tokenize_reply) for key in PAIR_KEYS)
+            else:
+                broken.add(len(units))
+                units.append((r, row, tokenize_pair))
+        out: list[Any] = [None] * len(units)
+        forms = [row for _, row, _ in units]
+        texts = [i for i, row in enumerate(forms) if "text" in row and i not in broken]
+        pairs = [i for i, row in enumerate(forms) if "prompt" in row and i not in broken]
+        chats = [i for i, row in enumerate(forms) if "messages" in row and i not in broken]
         limit, bos, eos = self.limit, self.bos, self.eos
         sub = (lambda n: None) if limit is None else (lambda n: limit - n)
-        for i, ids in zip(texts, self.encode_prefixes([rows[i]["text"] for i in texts], [sub(len(bos))] * len(texts))):
+        for i, ids in zip(texts, self.encode_prefixes([forms[i]["text"] for i in texts], [sub(len(bos))] * len(texts))):
             ids = bos + ids + eos
             out[i] = ids, [(0, len(ids))]
         prompts = [bos + ids for ids in
-                   self.encode_prefixes([rows[i]["prompt"] for i in pairs], [sub(len(bos))] * len(pairs))]
-        completions = self.encode_prefixes([rows[i]["completion"] for i in pairs], [sub(len(p)) for p in prompts])
+                   self.encode_prefixes([forms[i]["prompt"] for i in pairs], [sub(len(bos))] * len(pairs))]
+        completions = self.encode_prefixes([forms[i]["completion"] for i in pairs], [sub(len(p)) for p in prompts])
         for i, prompt, completion in zip(pairs, prompts, completions):
             out[i] = prompt + completion + eos, [(len(prompt), len(prompt) + len(completion) + len(eos))]
-        fallback = set()
+        fallback = set(broken)  # units the reference path tokenizes
         if chats:
-            for i, example in zip(chats, self.chats([rows[i]["messages"] for i in chats])):
+            final_only = [units[i][2] is tokenize_reply for i in chats]
+            for i, example in zip(chats, self.chats([forms[i]["messages"] for i in chats], final_only)):
                 if example is None:
                     fallback.add(i)
                 out[i] = example
         for i in sorted(fallback):  # in row order: the first row the reference path rejects is reported
+            r, row, alone = units[i]
             try:
-                example = tokenize_row("", rows[i], self.tokenizer, limit)
+                example = alone("", row, self.tokenizer, limit)
             except DataError:
-                raise _BadRow(i) from None
+                raise _BadRow(r) from None
+            if not isinstance(example, Example):
+                raise RuntimeError("the reference path took a pair that is not two rows")
             out[i] = example.ids.tolist(), example.trained
-        return out, len(fallback)
+        return out, len({units[i][0] for i in fallback})
 
     def encode(self, texts: list[str], offsets: bool = False):
         """The tokenizer's batch encoding of `texts` (no special tokens added): the ids, or the encoding with
@@ -159,12 +178,15 @@ class BatchTokenizer:
             todo = again
         return out
 
-    def chats(self, conversations: list) -> list[tuple[list[int], Targets] | None]:
+    def chats(self, conversations: list, final_only: Sequence[bool] | None = None
+              ) -> list[tuple[list[int], Targets] | None]:
         """(ids, targets) of each conversation, None where the reference path must do it (a check failed, or
-        the row is one the reference rejects)."""
+        the row is one the reference rejects). A conversation marked `final_only` (a preference reply) trains
+        only its last message, an assistant turn: the last span, when the conversation kept it whole or cut."""
         if not self.fast_chat:
             return [None] * len(conversations)
-        plans = [self._plan_chat(messages) for messages in conversations]
+        final_only = [False] * len(conversations) if final_only is None else final_only
+        plans = [self._plan_chat(messages, final) for messages, final in zip(conversations, final_only)]
         rendered = [plan.rendering for plan in plans if plan is not None]
         encoding = self.tokenizer(rendered, add_special_tokens=False, return_attention_mask=False) if rendered else None
         encodings = iter(zip(encoding["input_ids"], encoding.encodings) if rendered else ())
@@ -173,25 +195,32 @@ class BatchTokenizer:
                 plan.ids, offsets = next(encodings)
                 plan.find_spans(self, offsets)
         out = []
-        for plan in plans:
+        for plan, messages, final in zip(plans, conversations, final_only):
             if plan is None or not plan.exact:
                 out.append(None)
                 continue
-            ids, limit = plan.ids, self.limit
+            ids, limit, spans = plan.ids, self.limit, plan.spans
             if plan.cut and len(ids) < limit + CUT_MARGIN:
                 out.append(None)  # the reference path grows the character budget
                 continue
-            out.append((ids, plan.spans) if limit is None else
-                       (ids[:limit], [(start, min(end, limit)) for start, end in plan.spans if start < limit]))
+            if final:
+                # the last message's span, found when no earlier turn started at the cut; none when the cut
+                # left that message out
+                whole = len(plan.messages) == len(messages) and len(spans) == len(plan.boundaries)
+                spans = spans[-1:] if whole else []
+            out.append((ids, spans) if limit is None else
+                       (ids[:limit], [(start, min(end, limit)) for start, end in spans if start < limit]))
         return out
 
-    def _plan_chat(self, messages) -> "ChatPlan | None":
+    def _plan_chat(self, messages, final_only: bool = False) -> "ChatPlan | None":
         if not isinstance(messages, list) or not messages:
             return None
         for m in messages:
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 return None
         if not any(m["role"] == "assistant" for m in messages) or messages[0]["role"] == "assistant":
+            return None
+        if final_only and messages[-1]["role"] != "assistant":
             return None
         if self.limit is None:
             kept, cut = messages, False

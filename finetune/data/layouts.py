@@ -10,12 +10,24 @@ forms `finetune.data.reference.tokenize` takes: `{"text"}`, `{"prompt", "complet
   accepted too) -> messages with roles system, user and assistant: trains exactly as the same chat given as
   `messages`.
 
+Preference layouts (`PREFERENCE_LAYOUTS`, for the preference objectives) hold a chosen and a rejected reply to
+one prompt; `canonical` maps a row to a pair `{"chosen": row, "rejected": row}` of the canonical forms above,
+each side tokenized as that SFT row is, a chat training only its final message (the reply):
+- preference: `prompt`, `chosen`, `rejected` strings -> two prompt-completion rows;
+- preference-chat: `prompt` a messages list, `chosen` and `rejected` the assistant reply (a list holding one
+  assistant message, or a string) -> two messages rows, the prompt then the reply;
+- preference-conversations: `chosen` and `rejected` whole conversations sharing their prompt turns: the prompt
+  is their longest common prefix of messages, and what follows it on each side must be one assistant message.
+
 Other keys are ignored. A key whose value is None is absent: a table gives every row every column (and each
 chat turn every field any turn has), None where the row has none.
 
 `auto` takes the layout from the dataset's columns (`detect`); where the columns hold several layouts (a JSONL
 file mixing text and messages rows), each row takes the one of its keys, and a row with the keys of several
-(an alpaca dump with a `text` column) is an error asking for --data-format, which settles it.
+(an alpaca dump with a `text` column) is an error asking for --data-format, which settles it. Columns holding
+`chosen` and `rejected` (and of the other layouts' keys only `prompt`) are a preference layout, which one decided
+by the columns' types where the dataset has them (`detect`'s `features`); a preference dataset never mixes with
+the other layouts.
 """
 
 from __future__ import annotations
@@ -33,11 +45,22 @@ LAYOUTS = {
     "alpaca": "instruction, input (optional), output",
     "sharegpt": "conversations",
 }
+# Preference layout name -> the keys it reads, as shown to the user.
+PREFERENCE_LAYOUTS = {
+    "preference": "prompt, chosen, rejected",
+    "preference-chat": "prompt (messages), chosen, rejected",
+    "preference-conversations": "chosen, rejected (whole conversations)",
+}
 AUTO = "auto"
+# Every --data-format name.
+DATA_FORMATS = (AUTO, *LAYOUTS, *PREFERENCE_LAYOUTS)
+# The two replies of a preference row, in the order their examples are stored (chosen first).
+PAIR_KEYS = ("chosen", "rejected")
 # The keys that make a row (or column set) one of each layout, and those the layout cannot do without.
 _MARKS = {"text": ("text",), "prompt-completion": ("prompt", "completion"), "messages": ("messages",),
           "alpaca": ("instruction", "output"), "sharegpt": ("conversations",)}
-_READS = {**_MARKS, "alpaca": ("instruction", "input", "output")}
+_READS = {**_MARKS, "alpaca": ("instruction", "input", "output"), "preference": ("prompt", *PAIR_KEYS),
+          "preference-chat": ("prompt", *PAIR_KEYS), "preference-conversations": PAIR_KEYS}
 _ACCEPTED = " | ".join(f"{name} ({keys})" for name, keys in LAYOUTS.items())
 
 # The Stanford Alpaca prompts (github.com/tatsu-lab/stanford_alpaca, train.py), as most Alpaca fine-tunes use.
@@ -51,10 +74,15 @@ ALPACA_PROMPT_NO_INPUT = ("Below is an instruction that describes a task. Write 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant"}
 
 
+def is_preference(layout: str) -> bool:
+    """Whether rows of `layout` are chosen/rejected pairs (two examples each) rather than SFT rows."""
+    return layout in PREFERENCE_LAYOUTS
+
+
 @dataclasses.dataclass(frozen=True)
 class Detection:
-    """The layout rows are read with: a name in LAYOUTS, or AUTO (each row takes the one of its keys, among
-    `layouts`)."""
+    """The layout rows are read with: a name in LAYOUTS or PREFERENCE_LAYOUTS, or AUTO (each row takes the one of
+    its keys, among `layouts`)."""
 
     layout: str
     layouts: tuple[str, ...]
@@ -66,33 +94,79 @@ class Detection:
             return ", ".join(key for key in _READS[name] if key in self.columns)
 
         if self.layout != AUTO:
-            return f"{n_rows:,} rows, layout {self.layout} ({reads(self.layout)})"
+            unit = "pairs" if is_preference(self.layout) else "rows"
+            return f"{n_rows:,} {unit}, layout {self.layout} ({reads(self.layout)})"
         named = [f"{name} ({reads(name)})" for name in self.layouts]
         return f"{n_rows:,} rows, layouts {', '.join(named[:-1])} and {named[-1]}, decided per row"
 
 
-def detect(columns: Iterable[str], source: str, data_format: str = AUTO) -> Detection:
+def detect(columns: Iterable[str], source: str, data_format: str = AUTO,
+           features: Mapping[str, Any] | None = None) -> Detection:
     """The layout of a dataset with `columns` under `--data-format data_format`; DataError naming `source`
-    when no layout fits the columns (or the named one's columns are missing)."""
+    when no layout fits the columns (or the named one's columns are missing). `features`: the columns' types
+    (a `datasets.Features`), which tell the preference layouts apart; without them a preference dataset with a
+    `prompt` is taken as `preference` (strings)."""
     columns = tuple(columns)
     if data_format != AUTO:
+        if data_format in PREFERENCE_LAYOUTS:
+            if not set(_READS[data_format]) <= set(columns):
+                raise DataError(f"{source}: --data-format {data_format} needs the columns "
+                                f"{', '.join(_READS[data_format])}; found columns {', '.join(columns)}")
+            return Detection(data_format, (data_format,), columns)
         if data_format not in LAYOUTS:
             raise ValueError(f"unknown layout {data_format!r}")
         if not set(_MARKS[data_format]) <= set(columns):
             raise DataError(f"{source}: --data-format {data_format} needs the columns "
                             f"{', '.join(_MARKS[data_format])}; found columns {', '.join(columns)}")
         return Detection(data_format, (data_format,), columns)
+    preference = _preference_layout(columns, source, features)
+    if preference is not None:
+        return Detection(preference, (preference,), columns)
     layouts = tuple(name for name, keys in _MARKS.items() if any(key in columns for key in keys))
     if not layouts:
         raise DataError(f"{source}: no layout matches the columns {', '.join(columns)}; expected one of {_ACCEPTED}")
     return Detection(layouts[0] if len(layouts) == 1 else AUTO, layouts, columns)
 
 
+def _preference_layout(columns: tuple[str, ...], source: str, features: Mapping[str, Any] | None) -> str | None:
+    """The preference layout of `columns`, None when they are not a preference dataset: they hold `chosen` or
+    `rejected` and of the other layouts' keys at most `prompt` (which a preference layout reads)."""
+    pair = [key for key in PAIR_KEYS if key in columns]
+    others = [key for keys in _MARKS.values() for key in keys if key in columns and key != "prompt"]
+    if not pair or others:
+        return None
+    if len(pair) == 1:
+        missing = next(key for key in PAIR_KEYS if key not in columns)
+        raise DataError(f"{source}: columns {', '.join(columns)}: a preference layout needs both a chosen and a "
+                        f"rejected reply per row, and there is no '{missing}' column; add it (or, to fine-tune on "
+                        "one reply per prompt, name the columns prompt and completion)")
+    if "prompt" not in columns:
+        return "preference-conversations"
+    kinds = {key: _kind((features or {}).get(key)) for key in ("prompt", *PAIR_KEYS)}
+    if kinds["prompt"] == "list":
+        return "preference-chat"
+    if kinds["prompt"] == "string" and "list" in (kinds["chosen"], kinds["rejected"]):
+        return "preference-conversations"  # whole conversations beside the prompt text (the prompt column unread)
+    return "preference"
+
+
+def _kind(feature: Any) -> str | None:
+    """"string" or "list" for a column's type (a `datasets` feature), None when unknown."""
+    if feature is None:
+        return None
+    if isinstance(feature, (list, tuple)) or type(feature).__name__ in ("List", "LargeList", "Sequence"):
+        return "list"
+    return "string" if getattr(feature, "dtype", None) in ("string", "large_string") else None
+
+
 def canonical(row: Mapping[str, Any], layout: str, where: str) -> dict[str, Any]:
     """`row` as `{"text"}`, `{"prompt", "completion"}` or `{"messages"}` by `layout` (a name in LAYOUTS, or AUTO:
-    the layout of the row's keys); DataError naming `where` when it does not fit."""
+    the layout of the row's keys), or, for a name in PREFERENCE_LAYOUTS, as `{"chosen": row, "rejected": row}`
+    of those; DataError naming `where` when it does not fit."""
     if layout == AUTO:
         layout = _row_layout(row, where)
+    if is_preference(layout):
+        return _pair(row, layout, where)
     if layout == "text":
         if not isinstance(row.get("text"), str):
             raise _mismatch(where, layout, "a 'text' string", row)
@@ -120,6 +194,64 @@ def canonical(row: Mapping[str, Any], layout: str, where: str) -> dict[str, Any]
     raise ValueError(f"unknown layout {layout!r}")
 
 
+def _pair(row: Mapping[str, Any], layout: str, where: str) -> dict[str, Any]:
+    """A preference row as `{"chosen": row, "rejected": row}` of canonical SFT rows (see the module docstring)."""
+    chosen, rejected = (row.get(key) for key in PAIR_KEYS)
+    if layout == "preference":
+        prompt = row.get("prompt")
+        if not all(isinstance(value, str) for value in (prompt, chosen, rejected)):
+            raise _pair_mismatch(where, layout, "'prompt', 'chosen' and 'rejected' strings", row,
+                                 "for chat rows use --data-format preference-chat (a messages prompt) or "
+                                 "preference-conversations (whole conversations)")
+        return {key: {"prompt": prompt, "completion": reply} for key, reply in zip(PAIR_KEYS, (chosen, rejected))}
+    if layout == "preference-chat":
+        prompt = row.get("prompt")
+        if not (isinstance(prompt, list) and all(isinstance(value, (str, list)) for value in (chosen, rejected))):
+            raise _pair_mismatch(where, layout, "a 'prompt' messages list and 'chosen' and 'rejected' replies (a list "
+                                 "holding one assistant message, or a string)", row,
+                                 "each value must be a string or a messages list")
+        prompt = [_present(m) if isinstance(m, dict) else m for m in prompt]
+        return {key: {"messages": prompt + [_reply(reply, key, where)]}
+                for key, reply in zip(PAIR_KEYS, (chosen, rejected))}
+    if layout == "preference-conversations":
+        if not all(isinstance(value, list) for value in (chosen, rejected)):
+            raise _pair_mismatch(where, layout, "'chosen' and 'rejected' conversations (messages lists)", row,
+                                 "each value must be a messages list")
+        return _split_conversations(chosen, rejected, where)
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def _reply(reply: Any, key: str, where: str) -> dict[str, Any]:
+    """The assistant message a preference-chat reply holds."""
+    if isinstance(reply, str):
+        return {"role": "assistant", "content": reply}
+    if len(reply) == 1 and isinstance(reply[0], dict) and reply[0].get("role") == "assistant":
+        return _present(reply[0])
+    raise DataError(f"{where}: layout preference-chat expects '{key}' to be the assistant reply (a list holding one "
+                    f"assistant message, or a string); found a list of {len(reply)} messages with roles "
+                    f"{', '.join(str(m.get('role')) if isinstance(m, dict) else '?' for m in reply) or 'none'}; "
+                    "for whole conversations use --data-format preference-conversations")
+
+
+def _split_conversations(chosen: list, rejected: list, where: str) -> dict[str, Any]:
+    """The two conversations as prompt (their longest common prefix of messages) + one reply each."""
+    chosen = [_present(m) if isinstance(m, dict) else m for m in chosen]
+    rejected = [_present(m) if isinstance(m, dict) else m for m in rejected]
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    if not shared:
+        raise DataError(f"{where}: layout preference-conversations expects 'chosen' and 'rejected' to share their "
+                        "prompt turns (the same messages up to the reply); they differ from the first message")
+    for key, conversation in zip(PAIR_KEYS, (chosen, rejected)):
+        rest = conversation[shared:]
+        if not (len(rest) == 1 and isinstance(rest[0], dict) and rest[0].get("role") == "assistant"):
+            roles = ", ".join(str(m.get("role")) if isinstance(m, dict) else "?" for m in rest) or "nothing"
+            raise DataError(f"{where}: layout preference-conversations expects each conversation to end with one "
+                            f"assistant reply after the {shared} shared prompt messages; '{key}' has {roles} there")
+    return {"chosen": {"messages": chosen}, "rejected": {"messages": rejected}}
+
+
 def _row_layout(row: Mapping[str, Any], where: str) -> str:
     present = [name for name, keys in _MARKS.items() if any(row.get(key) is not None for key in keys)]
     if len(present) == 1:
@@ -141,6 +273,14 @@ def _sharegpt_turn(turn: Any, k: int, where: str) -> dict[str, str]:
 
 def _present(mapping: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in mapping.items() if value is not None}
+
+
+def _pair_mismatch(where: str, layout: str, expected: str, row: Mapping[str, Any], fix: str) -> DataError:
+    """`_mismatch` of a preference row, with what to do about it: add a missing reply, else `fix`."""
+    missing = [key for key in PAIR_KEYS if row.get(key) is None]
+    if missing:
+        fix = f"every pair needs a chosen and a rejected reply: add the {' and '.join(missing)} reply or drop the row"
+    return DataError(f"{_mismatch(where, layout, expected, row)}; {fix}")
 
 
 def _mismatch(where: str, layout: str, expected: str, row: Mapping[str, Any]) -> DataError:

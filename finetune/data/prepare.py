@@ -1,5 +1,7 @@
 """The data of a run: --data and --eval-data tokenized (from the cache, or now), --eval-fraction's split, and
-the packed rows training and evaluation read, with the run's data summary and truncation warning lines.
+the packed rows training and evaluation read, with the run's data summary and truncation warning lines. Data
+of a preference layout (chosen/rejected pairs) goes with a preference --objective and becomes `PairRows`;
+other data goes with --objective sft.
 
 Imports no JAX: the caller says whether this is the process that prints (`main`).
 """
@@ -15,19 +17,22 @@ import numpy as np
 
 from finetune.config import TrainConfig
 from finetune.data.cache import CachedData, load_tokenized, loaded_tokenizer_digest
-from finetune.data.layouts import Detection, detect
+from finetune.data.layouts import PREFERENCE_LAYOUTS, Detection, detect, is_preference
 from finetune.data.packing import PackedRows, truncation_report_from_store
+from finetune.data.pair_filter import keep_pairs
+from finetune.data.pairs import PairRows, check_pair_batch, needed_rows_per_group
 from finetune.data.rows import DataError, TruncationReport
 from finetune.data.sources import DataSource, names_files, open_source
 
 
-def load_data(config: TrainConfig, tokenizer, tokenizer_from_model: bool = False, main: bool = True
-              ) -> tuple[PackedRows, PackedRows | None]:
+def load_data(config: TrainConfig, tokenizer, tokenizer_from_model: bool = False, main: bool = True, *,
+              ways: int = 1) -> tuple[PackedRows, PackedRows | None] | tuple[PairRows, PairRows | None]:
     """Training rows and held-out rows (--eval-data, or --eval-fraction of --data), packed from the data tokenized
     once and cached (finetune.data.cache). Examples cut to --seq-len are counted in one warning line on stderr;
     data left with no training target is an error. Process 0 shows the tokenizing progress and ends with one
-    summary line on stderr. `tokenizer_from_model`: see `tokenize_data`; `main`: this process prints."""
-    return pack_data(config, tokenize_data(config, tokenizer, tokenizer_from_model, main), main)
+    summary line on stderr. `tokenizer_from_model`: see `tokenize_data`; `main`: this process prints. Preference
+    pairs become `PairRows` for `ways` batch shards (dp x fsdp)."""
+    return pack_data(config, tokenize_data(config, tokenizer, tokenizer_from_model, main), main, ways=ways)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +40,7 @@ class RunData:
     """--data (and --eval-data) tokenized, and which of their examples train and which are held out."""
 
     data: _Tokenized
-    examples: np.ndarray  # int64: the examples of `data` that train
+    examples: np.ndarray  # int64: the examples of `data` that train (of preference data: its pairs, rows)
     held_out: _Tokenized | None  # `data` itself for --eval-fraction
     eval_examples: np.ndarray | None
     eval_name: str
@@ -75,8 +80,12 @@ def tokenize_data(config: TrainConfig, tokenizer, tokenizer_from_model: bool = F
     return RunData(data, examples, held_out, eval_examples, eval_name, started)
 
 
-def pack_data(config: TrainConfig, run_data: RunData, main: bool = True) -> tuple[PackedRows, PackedRows | None]:
-    """`run_data`'s training and held-out rows packed (see `load_data`), with its warning and summary lines."""
+def pack_data(config: TrainConfig, run_data: RunData, main: bool = True, *, ways: int = 1
+              ) -> tuple[PackedRows, PackedRows | None] | tuple[PairRows, PairRows | None]:
+    """`run_data`'s training and held-out rows packed (see `load_data`), with its warning and summary lines;
+    preference pairs as `PairRows` (`pack_pairs`)."""
+    if is_preference(run_data.data.layout.layout):
+        return pack_pairs(config, run_data, main, ways=ways)
     data, examples, held_out, eval_examples = (run_data.data, run_data.examples, run_data.held_out,
                                                run_data.eval_examples)
     report = data.report(examples, config.seq_len)
@@ -97,13 +106,73 @@ def pack_data(config: TrainConfig, run_data: RunData, main: bool = True) -> tupl
                 f"{len(train_rows):,} {kind} rows of {config.seq_len}")
         if eval_rows is not None:
             line += f" (+ {len(eval_rows):,} held out, from {len(eval_examples):,} rows)"
-        line += (f"; {report.truncated:,} truncated, {report.examples - report.with_targets:,} with no targets; "
-                 f"{data.cache_status()}")
-        if config.eval_data:
-            line += f"; --eval-data {held_out.cache_status()}"
-        line += f"; prepared in {time.perf_counter() - run_data.started:.1f} s"
-        print(f"finetune-lora: data: {line}", file=sys.stderr)
+        line += f"; {report.truncated:,} truncated, {report.examples - report.with_targets:,} with no targets"
+        _print_summary(config, run_data, line)
     return train_rows, None if eval_rows is None else eval_rows.padded_to_multiple(config.batch_size)
+
+
+def pack_pairs(config: TrainConfig, run_data: RunData, main: bool = True, *, ways: int = 1
+               ) -> tuple[PairRows, PairRows | None]:
+    """`run_data`'s training and held-out preference pairs as `PairRows` of steps of --batch-size pairs over `ways`
+    batch shards, training and evaluation batches of one shape; pairs with a side left with no training target
+    within --seq-len dropped, counted with the pairs cut in one warning line, and the summary line."""
+    data, held_out = run_data.data, run_data.held_out
+    check_pair_batch(config.batch_size, config.grad_accum, ways)
+    train, report = keep_pairs(data.cached.data, run_data.examples, config.seq_len, data.source.where)
+    report.require_pairs(config.data)
+    evaluated = None
+    if held_out is not None:
+        evaluated, eval_report = keep_pairs(held_out.cached.data, run_data.eval_examples, config.seq_len,
+                                            held_out.source.where)
+        eval_report.require_pairs(run_data.eval_name)
+        report = report + eval_report
+    warning = report.warning()
+    if warning and main:
+        print(f"finetune-lora: warning: {warning}", file=sys.stderr)
+    shape = dict(pack=config.pack, batch_size=config.batch_size, grad_accum=config.grad_accum, ways=ways)
+    rows_per_group = needed_rows_per_group(data.cached.data, train, config.seq_len, **shape)
+    if evaluated is not None:  # walked once in order: a group never holds a pair twice
+        rows_per_group = max(rows_per_group, needed_rows_per_group(held_out.cached.data, evaluated, config.seq_len,
+                                                                   repeats=1, **shape))
+    train_rows = PairRows.build(data.cached.data, train, config.seq_len, seed=config.seed,
+                                rows_per_group=rows_per_group, **shape)
+    eval_rows = None if evaluated is None else PairRows.build(held_out.cached.data, evaluated, config.seq_len,
+                                                              seed=config.seed, rows_per_group=rows_per_group,
+                                                              **shape)
+    if main:
+        kind = "packed" if config.pack else "padded"
+        line = (f"{data.layout.report(len(data.source))}; {_amount(data.cached.data.meta['tokens'])} tokens -> "
+                f"{train_rows.rows_per_step:,} {kind} rows of {config.seq_len} per step of {config.batch_size:,} pairs")
+        if eval_rows is not None:
+            line += f" (+ {len(eval_rows):,} held-out pairs, {eval_rows.eval_steps:,} steps)"
+        line += f"; {report.truncated:,} truncated, {report.dropped:,} dropped"
+        _print_summary(config, run_data, line)
+    return train_rows, eval_rows
+
+
+def _print_summary(config: TrainConfig, run_data: RunData, line: str) -> None:
+    """The run's one data line: what was prepared (`line`), where its cache entries are, and how long it took."""
+    line += f"; {run_data.data.cache_status()}"
+    if config.eval_data:
+        line += f"; --eval-data {run_data.held_out.cache_status()}"
+    print(f"finetune-lora: data: {line}; prepared in {time.perf_counter() - run_data.started:.1f} s", file=sys.stderr)
+
+
+def check_objective(config: TrainConfig, source: DataSource, layout: Detection) -> None:
+    """DataError naming `source` when its layout does not go with --objective: preference pairs train only a
+    preference objective, and other rows only sft."""
+    objective = getattr(config, "objective", "sft")
+    first = f" (first row: {source.where(0)})" if len(source) else ""
+    if is_preference(layout.layout) and objective == "sft":
+        raise DataError(f"{source.description}: the rows are preference pairs (layout {layout.layout}){first}, which "
+                        "--objective sft cannot train on: choose a preference objective (--objective dpo, ipo, "
+                        "simpo or orpo) or give rows of an SFT layout")
+    if not is_preference(layout.layout) and objective != "sft":
+        found = "layouts decided per row" if layout.layout == "auto" else f"layout {layout.layout}"
+        expected = " | ".join(f"{name} ({keys})" for name, keys in PREFERENCE_LAYOUTS.items())
+        raise DataError(f"{source.description}: --objective {objective} trains on chosen/rejected pairs, but the rows "
+                        f"are not pairs ({found}; columns {', '.join(layout.columns)}){first}: give a preference "
+                        f"layout ({expected}) or use --objective sft")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +196,9 @@ class _Tokenized:
 def _tokenized(config: TrainConfig, source: DataSource, tokenizer, main: bool,
                tokenizer_key: str | None = None) -> _Tokenized:
     """`source` tokenized by --data-format: from the cache, or now (with a progress bar on process 0)."""
-    layout = detect(source.dataset.column_names, source.description, config.data_format)
+    layout = detect(source.dataset.column_names, source.description, config.data_format,
+                    getattr(source.dataset, "features", None))
+    check_objective(config, source, layout)
     cached = load_tokenized(source, tokenizer, config.seq_len, layout.layout, cache=config.data_cache,
                             workers=config.data_workers, progress=config.progress and main, tokenizer_key=tokenizer_key)
     return _Tokenized(source, layout, cached)

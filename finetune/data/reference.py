@@ -2,7 +2,10 @@
 
 Row formats: `{"text": ...}` (every token trained), `{"prompt": ..., "completion": ...}` (prompt tokens
 masked out of the loss), `{"messages": [{"role", "content"}, ...]}` (rendered with the tokenizer's chat
-template; only assistant turns trained); a row must match exactly one of them. Rows are packed several to a
+template; only assistant turns trained); a row must match exactly one of them. A preference pair
+`{"chosen": row, "rejected": row}` (`finetune.data.layouts`) gives two examples, chosen then rejected, each side
+tokenized as that row alone is, except that a chat side trains only its final message (the reply: the tokens
+of the whole rendering after the rendering of the prompt with the generation prompt). Rows are packed several to a
 sequence (`segment_ids` keep attention within each document, positions restart) or padded one to a sequence.
 An example longer than the sequence is cut to it; given the sequence length, `tokenize` tokenizes a long row only
 as far as it needs (`encode_prefix`), so a giant row costs what the sequence holds, not what the row holds.
@@ -31,6 +34,8 @@ def read_rows(spec: str | Path) -> list[tuple[str, dict[str, Any]]]:
 
 # The layouts a row may have, by the keys that make them; a row must match exactly one.
 LAYOUTS = {"text": ("text",), "prompt+completion": ("prompt", "completion"), "messages": ("messages",)}
+# The keys of a preference pair's two rows, in the order their examples come.
+PAIR_KEYS = ("chosen", "rejected")
 
 # Tokens dropped before a cut of a long row's text: a tokenizer may merge across the cut (a word, a run of
 # spaces or digits, a special token split in two), so the tokens just before it may differ from the whole row's.
@@ -44,7 +49,41 @@ def tokenize(rows: Sequence[tuple[str, dict[str, Any]]], tokenizer, seq_len: int
     tokenized only as far as its first `seq_len + 1` tokens (they equal the whole row's first tokens; the one
     beyond `seq_len` marks it as longer)."""
     limit = None if seq_len is None else seq_len + 1
-    return [tokenize_row(where, row, tokenizer, limit) for where, row in rows]
+    return [example for where, row in rows for example in tokenize_examples(where, row, tokenizer, limit)]
+
+
+def is_pair(row: dict[str, Any]) -> bool:
+    """Whether a canonical row is a preference pair (it has a chosen or a rejected side)."""
+    return any(row.get(key) is not None for key in PAIR_KEYS)
+
+
+def tokenize_examples(where: str, row: dict[str, Any], tokenizer, limit: int | None = None) -> list[Example]:
+    """The examples of one canonical row: one for an SFT row, two (chosen, rejected) for a preference pair."""
+    if is_pair(row):
+        return list(tokenize_pair(where, row, tokenizer, limit))
+    return [tokenize_row(where, row, tokenizer, limit)]
+
+
+def tokenize_pair(where: str, row: dict[str, Any], tokenizer, limit: int | None = None) -> tuple[Example, Example]:
+    """A preference pair's chosen and rejected examples (`tokenize_reply` of each side)."""
+    sides = [row.get(key) for key in PAIR_KEYS]
+    if not all(isinstance(side, dict) for side in sides) or set(row) - set(PAIR_KEYS):
+        raise DataError(f"{where}: a preference pair expects exactly a 'chosen' and a 'rejected' row; found keys "
+                        f"{sorted(row)}")
+    chosen, rejected = (tokenize_reply(where, side, tokenizer, limit) for side in sides)
+    return chosen, rejected
+
+
+def tokenize_reply(where: str, row: dict[str, Any], tokenizer, limit: int | None = None) -> Example:
+    """One side of a preference pair: a prompt-completion row exactly as `tokenize_row` gives it; a messages row
+    ending in the assistant reply as `tokenize_row` gives it, with only that final turn trained."""
+    layout = _layout(where, row)
+    if layout == "prompt+completion":
+        return tokenize_row(where, row, tokenizer, limit)
+    if layout == "messages":
+        return _tokenize_chat(where, row["messages"], tokenizer, limit, final_only=True)
+    raise DataError(f"{where}: a preference reply expects 'prompt' and 'completion' strings or a 'messages' list; "
+                    f"found keys {sorted(row)}")
 
 
 def encode_prefix(tokenizer, text: str, limit: int | None) -> list[int]:
@@ -100,7 +139,10 @@ def tokenize_row(where: str, row: dict[str, Any], tokenizer, limit: int | None =
     return _tokenize_chat(where, row["messages"], tokenizer, limit)
 
 
-def _tokenize_chat(where: str, messages: list, tokenizer, limit: int | None = None) -> Example:
+def _tokenize_chat(where: str, messages: list, tokenizer, limit: int | None = None, final_only: bool = False
+                   ) -> Example:
+    """A conversation's tokens, each assistant turn trained; with `final_only`, only its last message (which
+    must be an assistant turn)."""
     for m in messages:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise DataError(f"{where}: each message needs string 'role' and 'content'")
@@ -108,14 +150,19 @@ def _tokenize_chat(where: str, messages: list, tokenizer, limit: int | None = No
         raise DataError(f"{where}: 'messages' has no assistant turn to train on")
     if messages[0]["role"] == "assistant":  # its tokens start after the rendering of no message, which has none
         raise DataError(f"{where}: 'messages' starts with an assistant turn; expected a system or user turn first")
+    if final_only and messages[-1]["role"] != "assistant":
+        raise DataError(f"{where}: a preference reply's conversation must end with the assistant reply; it ends "
+                        f"with a {messages[-1]['role']} turn")
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(f"{where}: a 'messages' row needs a tokenizer with a chat template")
+    # the index of the one turn trained (a cut conversation that lost it trains none)
+    final = len(messages) - 1 if final_only else None
     if limit is None:
-        return _render_chat(where, messages, tokenizer)
+        return _render_chat(where, messages, tokenizer, final=final)
     budget = CHARS_PER_TOKEN * (limit + CUT_MARGIN)
     while True:
         kept, cut = first_characters(messages, budget)
-        example = _render_chat(where, kept, tokenizer, stop=limit if cut else None)
+        example = _render_chat(where, kept, tokenizer, stop=limit if cut else None, final=final)
         if not cut or len(example.ids) >= limit + CUT_MARGIN:
             return Example(example.ids[:limit], example.trained[:limit], where)
         budget *= 2
@@ -133,9 +180,10 @@ def first_characters(messages: list[dict], budget: int) -> tuple[list[dict], boo
     return kept, False
 
 
-def _render_chat(where: str, messages: list[dict], tokenizer, stop: int | None = None) -> Example:
+def _render_chat(where: str, messages: list[dict], tokenizer, stop: int | None = None, final: int | None = None
+                 ) -> Example:
     """The conversation's tokens, each assistant turn trained (those starting at `stop` or later are left
-    untrained: only the first `stop` tokens are wanted)."""
+    untrained: only the first `stop` tokens are wanted); with `final`, only message `final` (when present)."""
     def render(msgs, generation_prompt=False) -> list[int]:
         out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=generation_prompt)
         return list(out["input_ids"] if hasattr(out, "keys") else out)  # a BatchEncoding in transformers 5
@@ -143,7 +191,7 @@ def _render_chat(where: str, messages: list[dict], tokenizer, stop: int | None =
     ids = render(messages)
     trained = np.zeros(len(ids), bool)
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or (final is not None and i != final):
             continue
         start, upto = len(render(messages[:i], True)), render(messages[: i + 1])
         if stop is not None and start >= stop:

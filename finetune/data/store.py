@@ -1,8 +1,9 @@
 """The tokenized-data store: one directory of memory-mapped arrays, written once in pieces.
 
 `ids.npy` int32 [tokens] every example's ids concatenated, `trained.npy` bool [tokens], `starts.npy` int64
-[examples + 1] (example e is `ids[starts[e]:starts[e + 1]]` and comes from row e), `meta.json` (counts and
-what the store was built from) written last.
+[examples + 1] (example e is `ids[starts[e]:starts[e + 1]]` and comes from row e; in a store of preference
+pairs, meta.json's `examples_per_row` 2, from row e // 2: chosen at 2r, rejected at 2r + 1), `meta.json` (counts
+and what the store was built from) written last.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ class TokenizedData:
 
     def __len__(self) -> int:
         return len(self.starts) - 1
+
+    @property
+    def examples_per_row(self) -> int:
+        """Examples each row gave: 2 for preference pairs (chosen, rejected), else 1."""
+        return int(self.meta.get("examples_per_row", 1))
 
     def lengths(self) -> np.ndarray:
         """int64 [examples]: each example's number of tokens."""

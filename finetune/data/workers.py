@@ -31,8 +31,8 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from finetune.data.encoding import BatchTokenizer, Canonical, EncodedBatch
-from finetune.data.layouts import AUTO, canonical as layout_canonical
-from finetune.data.reference import tokenize_row
+from finetune.data.layouts import AUTO, canonical as layout_canonical, is_preference
+from finetune.data.reference import tokenize_examples
 from finetune.data.store import STORE_VERSION, NpyAppender, TokenizedData
 
 # Rows per batch handed to the tokenizer (and to a worker): big enough for the batch encoding and the
@@ -186,7 +186,9 @@ def tokenize_to_store(rows, tokenizer, seq_len: int | None, directory: str | Pat
                       meta: dict | None = None) -> TokenizedData:
     """Tokenize `rows` (a datasets.Dataset or a sequence of raw row dicts; `canonical(row, layout, where)`
     gives each one's canonical form) into a store in the existing empty `directory`, `workers` processes at a
-    time. A bad row raises the DataError the reference path gives it, naming `where(i)` of the first one.
+    time. A preference layout's row is two examples, chosen (2r) then rejected (2r + 1), and the store's
+    meta.json says `"examples_per_row": 2`. A bad row raises the DataError the reference path gives it, naming
+    `where(i)` of the first one.
     Workers are spawned: a script that calls this with `workers > 1` needs multiprocessing's
     `if __name__ == "__main__":` guard (the console scripts have it)."""
     directory = Path(directory)
@@ -212,10 +214,16 @@ def tokenize_to_store(rows, tokenizer, seq_len: int | None, directory: str | Pat
     finally:
         for writer in writers:
             writer.close()
-    starts = np.zeros(len(rows) + 1, np.int64)
-    np.cumsum(np.concatenate(lengths) if lengths else np.zeros(0, np.int64), out=starts[1:])
+    lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    per_row = 2 if is_preference(layout) else 1
+    if len(lengths) != per_row * len(rows):
+        raise RuntimeError(f"{len(rows)} rows of layout {layout} gave {len(lengths)} examples, not {per_row} each")
+    starts = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=starts[1:])
     np.save(directory / "starts.npy", starts)
-    info = {"store_version": STORE_VERSION, "examples": len(rows), "tokens": tokens, "seq_len": seq_len,
+    # an SFT store's meta.json stays as it was: one example per row goes without saying
+    pairs = {"examples_per_row": per_row} if per_row != 1 else {}
+    info = {"store_version": STORE_VERSION, "examples": len(lengths), **pairs, "tokens": tokens, "seq_len": seq_len,
             "layout": layout, "reference_path_rows": fallbacks,
             "seconds": round(time.perf_counter() - began, 3), **(meta or {})}
     (directory / "meta.json").write_text(json.dumps(info, indent=1) + "\n")
@@ -226,5 +234,5 @@ def _raise_row_error(rows, index: int, batch: BatchTokenizer, where: Callable[[i
     """Raise the error row `index` has, naming it: its layout's, or the reference path's."""
     (raw,) = _raw_rows(rows, index, index + 1)
     row = batch.canonical(raw, batch.layout, where(index))
-    tokenize_row(where(index), row, batch.tokenizer, batch.limit)
+    tokenize_examples(where(index), row, batch.tokenizer, batch.limit)
     raise RuntimeError(f"{where(index)}: rejected in a batch but not alone")

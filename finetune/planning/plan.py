@@ -27,7 +27,8 @@ from finetune.config import ConfigFileError, TrainConfig
 from finetune.step.memory import per_device_bytes, sharding_table
 from finetune.step.mesh import make_mesh
 from finetune.step.checks import check_batch_split, check_rank, check_seq_len, layer_shapes
-from finetune.step.train_step import BATCH_KEYS, DTYPES, TrainState, jit_steps, make_optimizer, optimizer_shardings, split_model
+from finetune.step.train_step import (BATCH_KEYS, DTYPES, PAIR_BATCH_KEYS, TrainState, jit_steps, make_optimizer,
+                                     optimizer_shardings, split_model)
 from finetune.planning.allocator import FRACTION, UsableMemory, fraction_to_fit, usable_memory
 from jaxmodel.config import LlamaConfig
 from jaxmodel.formats.checkpoint import MANIFEST, checkpoint_quantization, read_manifest
@@ -184,6 +185,11 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
     lines += [f"batch {config.batch_size} x seq {config.seq_len}, grad accumulation {config.grad_accum}, "
               f"dtype {config.dtype}, remat {config.remat}, attention {config.attention_impl(mesh.shape['cp'])}, "
               f"loss chunk {config.loss_chunk or 'none'}, MLP chunk {config.mlp_chunk or 'none'}"]
+    if config.preference:
+        reference = config.reference_model()
+        lines.append(f"objective {config.objective}: {config.batch_size} pairs in {2 * config.batch_size} rows a step "
+                     f"(unpacked: the most rows packing ever needs), reference "
+                     f"{'none' if reference is None else reference + ' (in the step, under stop_gradient)'}")
     if cpu_16bit:
         # The CPU compiler turns 16-bit matmuls into float32 ones and hoists float32 copies of the weights,
         # so its temporaries for a bf16 step say little about an accelerator. Every temporary of the step
@@ -228,12 +234,15 @@ def _compile(config: TrainConfig, llama: LlamaConfig, mesh, dtype, param_dtype,
         key = jax.eval_shape(lambda: jax.random.key(0))
         state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), lora, opt_state,
                            jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated))
-        shape = (config.batch_size, config.seq_len)
+        # A preference step is planned at its most rows: two a pair (packing never needs more).
+        shape = (2 * config.batch_size if config.preference else config.batch_size, config.seq_len)
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
                                          sharding=batch_sharding(mesh, DEFAULT_RULES))
-                 for k in BATCH_KEYS}
+                 for k in (PAIR_BATCH_KEYS if config.preference else BATCH_KEYS)}
+        # The init reference is a second LoRA state of the adapter's shape, frozen.
+        frozen = (base, lora if config.reference_model() == "init" else None) if config.preference else base
         compiled = None
         if lower:
-            train_step, _ = jit_steps(graphdef, config, tx, schedule, state, base, mesh, DEFAULT_RULES)
-            compiled = train_step.lower(state, base, batch).compile()
+            train_step, _ = jit_steps(graphdef, config, tx, schedule, state, frozen, mesh, DEFAULT_RULES)
+            compiled = train_step.lower(state, frozen, batch).compile()
     return compiled, {"base": base, "lora": lora, "opt_state": opt_state, "batch": batch}

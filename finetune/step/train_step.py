@@ -1,5 +1,6 @@
-"""The jit-compiled train and eval steps: masked next-token loss, gradients for LoRA parameters only,
-gradient accumulation over micro-batches, and the optax update."""
+"""The jit-compiled train and eval steps: masked next-token loss (or a preference objective,
+`finetune.step.preference`), gradients for LoRA parameters only, gradient accumulation over micro-batches, and the
+optax update."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from finetune.config import TrainConfig
+from finetune.step.preference import Objective, pair_losses, sequence_sums, token_logps
 from jaxmodel.context_parallel import cp_size
 from jaxmodel.layers import LoRAParam
 from jaxmodel.loss import chunked_cross_entropy_sums, cross_entropy_sums
 from jaxmodel.sharding import Rules, batch_sharding
 
 BATCH_KEYS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
+PAIR_BATCH_KEYS = BATCH_KEYS + ("sequence",)
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
@@ -90,10 +93,7 @@ def loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, batch: dict[str, 
     def micro_loss(lora, micro, key):
         return loss_sums(nnx.merge(graphdef, base, lora), micro, key, loss_chunk)
 
-    # [B, T] -> [accum, B / accum, T]; micro-batch k takes rows k, k + accum, ...: every device's block
-    # of rows feeds every micro-batch.
-    micro = {k: v.reshape(v.shape[0] // grad_accum, grad_accum, *v.shape[1:]).swapaxes(0, 1)
-             for k, v in batch.items()}
+    micro = micro_batches(batch, grad_accum)
     grad_of = jax.value_and_grad(micro_loss, has_aux=True)  # d(loss sum)/d(LoRA), token count as aux
 
     def accumulate(carry, xs):
@@ -107,6 +107,67 @@ def loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, batch: dict[str, 
     (grads, loss_sum, tokens), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), (micro, keys))
     denom = jnp.maximum(tokens, 1.0)
     return loss_sum / denom, tokens, jax.tree.map(lambda g: g / denom, grads)
+
+
+def micro_batches(batch: dict[str, jax.Array], grad_accum: int) -> dict[str, jax.Array]:
+    """[B, T] -> [accum, B / accum, T]; micro-batch k takes rows k, k + accum, ...: every device's block of rows
+    feeds every micro-batch."""
+    return {k: v.reshape(v.shape[0] // grad_accum, grad_accum, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
+
+
+def preference_sums(graphdef, lora: nnx.State, base: nnx.State, reference: nnx.State | None, micro,
+                    objective: Objective, slots: int, dropout_key=None, loss_chunk: int = 0):
+    """(sum of the pair losses, (pairs, {metric: sum})) of one micro-batch of pair rows with `slots` sequence
+    slots. The reference (DPO/IPO) runs on the same base under `stop_gradient`: `reference` is the frozen
+    initial adapter, or None for the base model itself (a LoRA state of zeros adds exactly nothing)."""
+    logp_bt, mask_bt, slots_bt = token_logps(nnx.merge(graphdef, base, lora), micro, dropout_key, loss_chunk)
+    logp, count = sequence_sums(logp_bt, mask_bt, slots_bt, slots)
+    ref_logp = None
+    if objective.reference is not None:
+        off = jax.tree.map(jnp.zeros_like, lora) if reference is None else reference
+        ref_bt, _, _ = token_logps(nnx.merge(graphdef, base, jax.lax.stop_gradient(off)), micro, None, loss_chunk)
+        ref_logp, _ = sequence_sums(jax.lax.stop_gradient(ref_bt), mask_bt, slots_bt, slots)
+    loss_sum, pairs, metrics = pair_losses(objective, logp, count, ref_logp)
+    return loss_sum, (pairs, {"tokens": jnp.sum(count), **metrics})
+
+
+def preference_loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, reference: nnx.State | None, batch,
+                              objective: Objective, pairs: int, grad_accum: int = 1, dropout_key=None,
+                              loss_chunk: int = 0):
+    """(mean pair loss, {metric: mean over the pairs}, d mean loss / d LoRA) over a global batch of `pairs` pair
+    slots, one micro-batch at a time; sums divided once by the number of real pairs in the whole batch, so the
+    result does not depend on how the pairs are split over micro-batches, devices or processes."""
+    slots = 2 * pairs // grad_accum
+    grad_of = jax.value_and_grad(lambda lora, mb, key: preference_sums(graphdef, lora, base, reference, mb, objective,
+                                                                       slots, key, loss_chunk), has_aux=True)
+
+    def accumulate(carry, xs):
+        grads, loss_sum, n, sums = carry
+        mb, key = xs
+        (l, (p, m)), g = grad_of(lora, mb, key)
+        return (jax.tree.map(jnp.add, grads, g), loss_sum + l, n + p, jax.tree.map(jnp.add, sums, m)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, lora)
+    metric_zeros = {k: jnp.float32(0) for k in ("tokens", *objective.metric_names())}
+    keys = None if dropout_key is None else jax.random.split(dropout_key, grad_accum)
+    (grads, loss_sum, n, sums), _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0), jnp.float32(0), metric_zeros),
+                                                 (micro_batches(batch, grad_accum), keys))
+    denom = jnp.maximum(n, 1.0)
+    metrics = {k: (v if k == "tokens" else v / denom) for k, v in sums.items()}
+    return loss_sum / denom, {"pairs": n, **metrics}, jax.tree.map(lambda g: g / denom, grads)
+
+
+def preference_eval_sums(graphdef, lora, base, reference, batch, objective: Objective, pairs: int, grad_accum: int,
+                         loss_chunk: int = 0) -> dict[str, jax.Array]:
+    """{"loss": sum of the pair losses, "pairs": real pairs, metric: sum} over one eval batch."""
+    slots = 2 * pairs // grad_accum
+
+    def one(carry, mb):
+        l, (p, m) = preference_sums(graphdef, lora, base, reference, mb, objective, slots, None, loss_chunk)
+        return jax.tree.map(jnp.add, carry, {"loss": l, "pairs": p, **m}), None
+
+    zeros = {k: jnp.float32(0) for k in ("loss", "pairs", "tokens", *objective.metric_names())}
+    return jax.lax.scan(one, zeros, micro_batches(batch, grad_accum))[0]
 
 
 def build_steps(graphdef, schedule, tx: optax.GradientTransformation, grad_accum: int, dropout: bool = False,
@@ -132,15 +193,43 @@ def build_steps(graphdef, schedule, tx: optax.GradientTransformation, grad_accum
     return train_step, eval_step
 
 
+def build_preference_steps(graphdef, schedule, tx: optax.GradientTransformation, objective: Objective, pairs: int,
+                           grad_accum: int, dropout: bool = False, loss_chunk: int = 0):
+    """`build_steps` for a preference objective: the steps take (state, frozen, batch) with frozen =
+    (base, reference adapter or None) and a batch of pair rows holding `pairs` pair slots."""
+
+    def train_step(state: TrainState, frozen, batch):
+        base, reference = frozen
+        rng, step_key = jax.random.split(state.rng)
+        loss, metrics, grads = preference_loss_and_grads(graphdef, state.lora, base, reference, batch, objective,
+                                                         pairs, grad_accum, step_key if dropout else None, loss_chunk)
+        updates, opt_state = tx.update(grads, state.opt_state, state.lora)
+        lora = optax.apply_updates(state.lora, updates)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step), **metrics}
+        return TrainState(state.step + 1, lora, opt_state, rng), metrics
+
+    def eval_step(lora, frozen, batch):
+        base, reference = frozen
+        return preference_eval_sums(graphdef, lora, base, reference, batch, objective, pairs, grad_accum, loss_chunk)
+
+    return train_step, eval_step
+
+
 def jit_steps(graphdef, config: TrainConfig, tx: optax.GradientTransformation, schedule, state: TrainState, base,
               mesh: Mesh, rules: Rules):
     """The jitted train and eval steps of a run, for `state` and `base` as they lie on `mesh` (arrays, or
     ShapeDtypeStructs with shardings when planning): the one definition used by training and `--plan`.
 
-    The train step donates the state; the batch is split as `jaxmodel.sharding.batch_sharding` says.
+    The train step donates the state; the batch is split as `jaxmodel.sharding.batch_sharding` says. With a
+    preference objective `base` is (base, reference adapter or None) and the batch holds pair rows.
     """
-    train_fn, eval_fn = build_steps(graphdef, schedule, tx, config.grad_accum, dropout=config.lora_dropout > 0,
-                                    loss_chunk=config.loss_chunk)
+    if config.preference:
+        train_fn, eval_fn = build_preference_steps(graphdef, schedule, tx, Objective.of(config), config.batch_size,
+                                                   config.grad_accum, dropout=config.lora_dropout > 0,
+                                                   loss_chunk=config.loss_chunk)
+    else:
+        train_fn, eval_fn = build_steps(graphdef, schedule, tx, config.grad_accum, dropout=config.lora_dropout > 0,
+                                        loss_chunk=config.loss_chunk)
     replicated = NamedSharding(mesh, PartitionSpec())
     batch = batch_sharding(mesh, rules)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)

@@ -37,3 +37,12 @@ def batch_at(rows, config: TrainConfig, sharding: NamedSharding, g: int) -> dict
     `g*B .. g*B+B-1` of the seeded epochs of `rows` (`finetune.data.order.row_indices`)."""
     return global_batch(rows, lambda lo, hi: row_indices(len(rows), config.seed, g, config.batch_size, lo, hi),
                         sharding, config.batch_size, config.seq_len)
+
+
+def pair_batch(rows, sharding: NamedSharding, g: int, evaluation: bool = False) -> dict[str, jax.Array]:
+    """Global batch `g` of pair rows (`finetune.data.pairs.PairRows`: training step `g`, or eval batch `g`); this
+    process builds only the rows its devices hold, whole batch shards (a pair never leaves its shard)."""
+    shape = (rows.rows_per_step, rows.seq_len)
+    lo, hi = local_row_range(sharding, *shape)
+    local = (rows.take_eval if evaluation else rows.take_step)(g, lo, hi)
+    return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in local.items()}

@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from finetune.config import TrainConfig
 from finetune.data.packing import PackedRows
+from finetune.data.pairs import PairRows
 from finetune.data.prepare import pack_data, tokenize_data
 from finetune.step.checks import check_batch_split, check_rank, check_seq_len
 from finetune.step.memory import sharding_table
@@ -24,7 +25,7 @@ from jaxmodel.formats.checkpoint import read_manifest
 from jaxmodel.formats.peft_adapter import load_peft_adapter, read_adapter
 from jaxmodel.lora import apply_lora
 from jaxmodel.pretrained import load_pretrained
-from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, named_sharding
+from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, batch_ways, named_sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +43,11 @@ class Run:
     train_step: Callable
     eval_step: Callable
     batch_sharding: NamedSharding
-    train_rows: PackedRows
-    eval_rows: PackedRows | None
+    train_rows: PackedRows | PairRows  # PairRows with a preference objective
+    eval_rows: PackedRows | PairRows | None
     tokenizer: Any
     data_record: dict[str, dict]  # RunData.record: the tokens the run trains and evaluates on
+    frozen: Any = None  # what the steps take beside the state: `base`, or (base, reference adapter or None)
 
 
 def _place(tree, mesh, rules):
@@ -89,7 +91,7 @@ def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dic
     data_record = run_data.record(config)
     if check_data is not None:
         check_data(data_record)
-    train_rows, eval_rows = pack_data(config, run_data, main)
+    train_rows, eval_rows = pack_data(config, run_data, main, ways=batch_ways(mesh, rules))
 
     config = with_adapter_shape(config)
     param_dtype = None if config.param_dtype == "keep" else DTYPES[config.param_dtype]
@@ -103,6 +105,8 @@ def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dic
             apply_lora(model, config.lora_config(), rngs=nnx.Rngs(config.seed))
         graphdef, lora, base = split_model(model)
         lora = _place(lora, mesh, rules)
+        # The initial adapter as loaded, frozen: a copy of the adapter only, never donated or trained.
+        reference = jax.tree.map(jnp.copy, lora) if config.reference_model() == "init" else None
         tx, schedule = make_optimizer(config)
         replicated = NamedSharding(mesh, PartitionSpec())
         opt_state = jax.jit(tx.init, out_shardings=optimizer_shardings(tx, lora, replicated))(lora)
@@ -111,7 +115,9 @@ def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dic
     if config.show_sharding and jax.process_index() == 0:
         print("\n".join(sharding_table(base, lora)))
         jax.debug.visualize_array_sharding(model.embed_tokens.weight[...])
-    train_step, eval_step = jit_steps(graphdef, config, tx, schedule, state, base, mesh, rules)
+    frozen = (base, reference) if config.preference else base
+    train_step, eval_step = jit_steps(graphdef, config, tx, schedule, state, frozen, mesh, rules)
     return Run(config=config, mesh=mesh, llama=llama, model=model, graphdef=graphdef, base=base, state=state,
                train_step=train_step, eval_step=eval_step, batch_sharding=batch_sharding(mesh, rules),
-               train_rows=train_rows, eval_rows=eval_rows, tokenizer=tokenizer, data_record=data_record)
+               train_rows=train_rows, eval_rows=eval_rows, tokenizer=tokenizer, data_record=data_record,
+               frozen=frozen)

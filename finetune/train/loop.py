@@ -17,7 +17,7 @@ import numpy as np
 from finetune.run.checkpoints import CheckpointError, CheckpointSaveError, RunCheckpoints, describe_damaged
 from finetune.config import TrainConfig
 from finetune.step.mesh import initialize_distributed
-from finetune.train.batches import batch_at, global_batch
+from finetune.train.batches import batch_at, global_batch, pair_batch
 from finetune.train.prefetch import Prefetcher
 from finetune.train.metrics import MetricsWriter, flops_per_token, measure_peak_flops
 from finetune.run.directory import RunDir
@@ -150,7 +150,7 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
 
     run = setup(config, check_data=check_data if config.resume else None)
     config = run.config  # with an --init-adapter's LoRA shape
-    mesh, state, base = run.mesh, run.state, run.base
+    mesh, state, frozen = run.mesh, run.state, run.frozen
     out = Path(config.out)
     if not config.resume:  # what export-peft needs to rebuild the model and read the checkpoints, written first
         run_dir.start(config, run.data_record)
@@ -171,7 +171,8 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
     bar = tqdm(total=config.steps, initial=start_step, desc="finetune", disable=not (config.progress and is_main))
     last_step = min(config.steps, start_step + config.stop_after) if config.stop_after else config.steps
     evaluating = run.eval_rows is not None and config.eval_every > 0
-    reader = _StepReader(config, checkpoints, bar, flops, peak, start_step)
+    rows_per_step = train_rows.rows_per_step if config.preference else config.batch_size
+    reader = _StepReader(config, checkpoints, bar, flops, peak, start_step, rows_per_step)
 
     def log(step: int, record: dict) -> None:
         if step % config.log_every == 0 or step == config.steps:
@@ -185,7 +186,9 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
     # state, and a checkpoint must only ever hold steps whose loss was checked.
     started_step = saved = start_step
     pending = None  # (step, metrics) of the newest step started and not yet read
-    batches = Prefetcher(lambda g: batch_at(train_rows, config, batch_sharding, g), position,
+    make_batch = ((lambda g: pair_batch(train_rows, batch_sharding, g)) if config.preference
+                  else (lambda g: batch_at(train_rows, config, batch_sharding, g)))
+    batches = Prefetcher(make_batch, position,
                          position + last_step - start_step, PREFETCH_DEPTH)
     try:
         with jax.set_mesh(mesh), batches:
@@ -196,7 +199,7 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
                     if pending is not None:  # read first, as a loop that builds each batch after the step before
                         log(*reader.read(*pending))
                     raise
-                state, m = run.train_step(state, base, batch)
+                state, m = run.train_step(state, frozen, batch)
                 started_step += 1
                 if pending is not None:
                     log(*reader.read(*pending))
@@ -206,7 +209,7 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
                     step, record = reader.read(*pending)
                     pending = None
                     if eval_now:
-                        record["eval_loss"] = evaluate(run, state, config)
+                        record.update(evaluate(run, state, config))
                     log(step, record)
                     if step % config.checkpoint_every == 0:
                         save(state, step)
@@ -218,7 +221,7 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
             if reader.done > saved:  # the last step (the end, --stop-after, SIGTERM) is always checkpointed
                 save(state, reader.done)
             if run.eval_rows is not None and not config.eval_every and reader.done == config.steps:
-                _write_metrics(metrics, out, reader.done, {"eval_loss": evaluate(run, state, config)})
+                _write_metrics(metrics, out, reader.done, evaluate(run, state, config))
             checkpoints.close()  # waits for the last save: a run is done when its checkpoint is
     except CheckpointSaveError as e:
         kept = checkpoints.latest_step()
@@ -242,12 +245,13 @@ class _StepReader:
     makes the step's metrics.jsonl record and progress-bar update."""
 
     def __init__(self, config: TrainConfig, checkpoints: RunCheckpoints, bar, flops: float, peak: float,
-                 start_step: int):
+                 start_step: int, rows_per_step: int):
         self.config, self.checkpoints, self.bar, self.flops, self.peak = config, checkpoints, bar, flops, peak
         self.done = start_step  # steps read and found finite
         self.first_loss: float | None = None
         self.last_loss: float | None = None
         self.tokens_seen = 0.0
+        self.tokens_per_step = rows_per_step * config.seq_len  # every position the step computes, padding too
         self.restart_clock()
 
     def restart_clock(self) -> None:
@@ -267,15 +271,21 @@ class _StepReader:
                                 f"kept: {'step ' + str(kept) if kept is not None else 'none'}")
         assert step == self.done + 1, (step, self.done)
         self.done = step
-        tokens = self.config.batch_size * self.config.seq_len
+        tokens = self.tokens_per_step
         self.tokens_seen += tokens
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.last_loss = loss
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{loss:.4f}")
-        return step, {"loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
-                      "tokens_per_s": tokens / seconds, "mfu": self.flops * tokens / seconds / self.peak,
-                      "target_tokens": int(m["tokens"])}
+        postfix = {"loss": f"{loss:.4f}"}
+        if "rewards/accuracies" in m:  # a preference objective: how often the chosen completion wins
+            postfix["accuracy"] = f"{float(m['rewards/accuracies']):.2f}"
+        self.bar.set_postfix(postfix)
+        record = {"loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
+                  "tokens_per_s": tokens / seconds, "mfu": self.flops * tokens / seconds / self.peak,
+                  "target_tokens": int(m["tokens"])}
+        for name in m.keys() - {"loss", "lr", "grad_norm", "tokens"}:  # a preference objective's metrics
+            record[name] = int(m[name]) if name == "pairs" else float(m[name])
+        return step, record
 
 
 def _write_metrics(metrics: MetricsWriter, out: Path, step: int, record: dict) -> None:
@@ -286,14 +296,23 @@ def _write_metrics(metrics: MetricsWriter, out: Path, step: int, record: dict) -
                             f"{step}") from None
 
 
-def evaluate(run: Run, state: TrainState, config: TrainConfig) -> float:
-    """Mean target-token loss over the whole eval set (padded to whole batches with loss-free rows)."""
+def evaluate(run: Run, state: TrainState, config: TrainConfig) -> dict[str, float]:
+    """{"eval_loss": mean target-token loss over the whole eval set} (padded to whole batches with loss-free
+    rows); with a preference objective the mean pair loss and `eval_` + each of its metrics, over every pair."""
     rows = run.eval_rows
+    if config.preference:
+        sums: dict[str, float] = {}
+        for g in range(rows.eval_steps):
+            out = jax.device_get(run.eval_step(state.lora, run.frozen, pair_batch(rows, run.batch_sharding, g, True)))
+            sums = {k: sums.get(k, 0.0) + float(v) for k, v in out.items()}
+        pairs = max(sums.pop("pairs"), 1.0)
+        sums.pop("tokens")
+        return {f"eval_{k}": v / pairs for k, v in sums.items()}
     loss_sum = tokens = 0.0
     b = config.batch_size
     for g in range(len(rows) // b):
         batch = global_batch(rows, lambda lo, hi, g=g: np.arange(g * b + lo, g * b + hi), run.batch_sharding, b,
                              config.seq_len)
-        l, n = jax.device_get(run.eval_step(state.lora, run.base, batch))
+        l, n = jax.device_get(run.eval_step(state.lora, run.frozen, batch))
         loss_sum, tokens = loss_sum + float(l), tokens + float(n)
-    return loss_sum / max(tokens, 1.0)
+    return {"eval_loss": loss_sum / max(tokens, 1.0)}

@@ -1,0 +1,101 @@
+"""Preference objectives on the toolkit's other paths: the chunked LM head of long sequences, a quantized base,
+two processes, and export-peft of a preference run."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from finetune.step.preference import token_logps
+from finetune.train.batches import pair_batch
+from finetune.train.build import setup
+from finetune.train.loop import run_training
+from test_preference_training import addition_pairs, config, step_on
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in addition_pairs()))
+    return path
+
+
+@pytest.mark.slow
+def test_chunked_lm_head_gives_the_plain_token_logps(tmp_path, tiny_converted, pairs_file):
+    run = setup(config(tiny_converted, pairs_file, tmp_path / "run", pack=True))
+    model = run.model
+    with jax.set_mesh(run.mesh):
+        batch = pair_batch(run.train_rows, run.batch_sharding, 0)
+        plain = jax.jit(lambda b: token_logps(model, b, chunk=0)[0])(batch)
+        chunked = jax.jit(lambda b: token_logps(model, b, chunk=7)[0])(batch)  # 32 positions: a ragged last chunk
+    mask = np.asarray(batch["loss_mask"]) > 0
+    assert mask.sum() > 16
+    np.testing.assert_allclose(np.asarray(chunked)[mask], np.asarray(plain)[mask], rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def nf4_converted(tiny_checkpoint, tmp_path_factory):
+    from converter.conversion import convert
+
+    out = tmp_path_factory.mktemp("nf4") / "tiny-nf4"
+    convert(tiny_checkpoint, out, quantize="nf4", progress=False)
+    return out
+
+
+@pytest.mark.slow
+def test_dpo_on_a_quantized_base_starts_at_ln2_and_learns(tmp_path, nf4_converted, pairs_file, monkeypatch):
+    import finetune.train.loop
+
+    monkeypatch.setattr(finetune.train.loop, "measure_peak_flops", lambda dtype: 1e12)
+    out = tmp_path / "run"
+    run_training(config(nf4_converted, pairs_file, out, steps=6, lr=1e-2))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["loss"] == pytest.approx(np.log(2.0), rel=1e-6)
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+@pytest.mark.e2e
+def test_two_processes_give_the_one_device_loss_and_gradients(tmp_path, tiny_converted, pairs_file):
+    from isolation import run_multihost_worker
+
+    loss, metrics, grads, _ = step_on(tiny_converted, pairs_file, tmp_path / "one", "dp=1,fsdp=1,mp=1",
+                                      jax.devices()[:1], pack=True)
+    run_multihost_worker(tiny_converted, pairs_file, tmp_path, "dp=2,fsdp=4,mp=1", "dpo")
+    got = np.load(tmp_path / "grads.npz")
+    assert float(got["pairs"]) == metrics["pairs"] and float(got["loss"]) == pytest.approx(loss, rel=1e-5)
+    for name, g in grads.items():
+        assert np.linalg.norm(got[name] - g) <= 1e-5 * np.linalg.norm(g), name
+
+
+@pytest.mark.slow
+def test_export_of_a_dpo_run_is_an_ordinary_peft_adapter(tmp_path, tiny_converted, pairs_file, monkeypatch):
+    import finetune.train.loop
+    from export.adapter import export_adapter
+    from jaxmodel.formats.peft_adapter import read_adapter
+
+    monkeypatch.setattr(finetune.train.loop, "measure_peak_flops", lambda dtype: 1e12)
+    run_dir = tmp_path / "run"
+    run_training(config(tiny_converted, pairs_file, run_dir, steps=2))
+    export_adapter(run_dir, tmp_path / "adapter", base_model="tiny")
+    lora_config, tensors = read_adapter(tmp_path / "adapter")
+    assert lora_config.rank == 8 and set(lora_config.targets) == {"q_proj", "v_proj"}
+    assert any(np.any(v) for k, v in tensors.items() if "lora_B" in k)  # trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective, reference", [("dpo", "base"), ("orpo", "none")])
+def test_plan_compiles_the_preference_step(tmp_path, objective, reference):
+    from finetune.config import TrainConfig
+    from finetune.planning.plan import plan
+
+    config = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    sft = plan(TrainConfig(plan=True, model_config=str(tmp_path / "config.json"), mesh="dp=1,fsdp=8,mp=1",
+                           batch_size=16, seq_len=32, hbm_gb=1).validate(), cpu_bf16_figure=False)
+    report = plan(TrainConfig(plan=True, model_config=str(tmp_path / "config.json"), mesh="dp=1,fsdp=8,mp=1",
+                              batch_size=8, seq_len=32, hbm_gb=1, objective=objective).validate(),
+                  cpu_bf16_figure=False)
+    assert f"objective {objective}: 8 pairs in 16 rows a step" in str(report) and f"reference {reference}" in str(report)
+    assert report.batch > sft.batch  # the same rows, and each token's sequence slot
