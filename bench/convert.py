@@ -148,12 +148,18 @@ def measure(workdir: Path, layers: int, repeats: int) -> dict:
             "copies": copies, "converts": [c["seconds"] for c in converts]}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This benchmark's options (tests/test_docs_commands.py parses the docs' command lines with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="2,9", help="layer counts of the two synthetic checkpoints")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default="/tmp/bench-convert")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints for another run")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     workdir = Path(args.workdir)
     rows = [measure(workdir, int(n), args.repeats) for n in args.sizes.split(",")]

@@ -36,6 +36,7 @@ limit: at 1M rows on 2 cores, some 25-50 min each. Time only on an idle machine.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import itertools
@@ -144,11 +145,17 @@ def report(series: list[list[Size]], args, n_cores: int) -> None:
     dc.print_raw(configs)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This benchmark's options (tests/test_docs_commands.py parses the docs' command lines with it)."""
     p = dc.parser(__doc__, SIZES, f"{' and '.join(map(str, QUICK_SIZES))} rows at --data-workers "
                                   f"{','.join(map(str, QUICK_DATA_WORKERS))}")
     p.add_argument("--data-workers", help="finetune-lora --data-workers for each size, in --sizes' order (0: not "
                                           "passed, the CLI's own count; default: the CLI's own count at every size)")
+    return p
+
+
+def main() -> None:
+    p = build_parser()
     args = p.parse_args()
     if args.data_workers is None and args.quick and not args.sizes:
         args.data_workers = ",".join(map(str, QUICK_DATA_WORKERS))

@@ -36,6 +36,7 @@ Time only on an idle machine: anything running beside it changes the figures sev
 
 from __future__ import annotations
 
+import argparse
 import functools
 import statistics
 
@@ -97,10 +98,16 @@ def report(configs: list[dc.Config], startups: dict[str, list[dc.Measure]], args
     dc.print_raw(configs, startups)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This benchmark's options (tests/test_docs_commands.py parses the docs' command lines with it)."""
     p = dc.parser(__doc__, SIZES, f"{' and '.join(map(str, QUICK_SIZES))} rows")
     p.add_argument("--data-workers", type=int, default=0,
                    help="finetune-lora --data-workers for every run (default 0: not passed, the CLI's own count)")
+    return p
+
+
+def main() -> None:
+    p = build_parser()
     args = p.parse_args()
     if args.data_workers < 0:
         p.error("--data-workers takes a count of processes (0: the CLI's own)")

@@ -29,6 +29,7 @@ start). Time only on an idle machine: anything running beside it changes the fig
 
 from __future__ import annotations
 
+import argparse
 import functools
 
 import data_common as dc
@@ -71,10 +72,16 @@ def report(groups: list[list[dc.Config]], args, n_cores: int) -> None:
     dc.print_raw(configs)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This benchmark's options (tests/test_docs_commands.py parses the docs' command lines with it)."""
     p = dc.parser(__doc__, SIZES, f"{' and '.join(map(str, QUICK_SIZES))} rows")
     p.add_argument("--workers", default=",".join(map(str, WORKERS)),
                    help="the counts of tokenizer processes compared, each passed as finetune-lora --data-workers")
+    return p
+
+
+def main() -> None:
+    p = build_parser()
     args = p.parse_args()
     counts = dc.int_list(args.workers)
     if len(counts) < 2 or min(counts) < 1:

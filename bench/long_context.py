@@ -74,7 +74,8 @@ def train_args(model: Path, data: Path, out: Path, seq: int, attention: str, ste
     return args + (["--remat", remat] if remat else [])
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This benchmark's options (tests/test_docs_commands.py parses the docs' command lines with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", help=f"comma-separated sequence lengths (default {','.join(map(str, SEQS))})")
     parser.add_argument("--attentions", default="xla,blockwise", help="finetune-lora --attention values to compare")
@@ -85,6 +86,11 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/llama-jax-bench", help="model, data and run directories")
     parser.add_argument("--quick", action="store_true", help="seqs 512 and 1024, 2 steps: to check the script")
     parser.add_argument("--plan-only", action="store_true", help="plans only, no training runs")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
 
     seqs = [int(s) for s in args.seqs.split(",")] if args.seqs else list(QUICK_SEQS if args.quick else SEQS)

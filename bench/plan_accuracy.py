@@ -131,13 +131,19 @@ def train(model: Path, workdir: Path, c: Config, steps: int) -> int | None:
     return run.peak_rss
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This benchmark's options (tests/test_docs_commands.py parses the docs' command lines with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2, help="steps per run")
     parser.add_argument("--workdir", default="/tmp/llama-jax-bench", help="model, data and run directories")
     parser.add_argument("--quick", action="store_true", help="two small configs (seq 256, 512): checks the script")
     parser.add_argument("--configs", help="SEQ:REMAT:ATTENTION[:8dev],... instead of the built-in list")
     parser.add_argument("--plan-only", action="store_true", help="plans only, no training runs")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     configs = parse_configs(args.configs) if args.configs else QUICK if args.quick else CONFIGS
     workdir = Path(args.workdir)

@@ -74,11 +74,17 @@ def plan_table(rows: dict, env: dict, only: str = "") -> None:
     print("\n".join(table), flush=True)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This benchmark's options (tests/test_docs_commands.py parses the docs' command lines with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="rows whose name contains this text")
     parser.add_argument("--fraction", default="0.95", help="XLA_CLIENT_MEM_FRACTION the plans are judged at")
     parser.add_argument("--fit", action="store_true", help="also run the docs' --plan --fit example")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     env = {"XLA_CLIENT_MEM_FRACTION": args.fraction}
     print(f"CPU: {cpu_description()}; XLA_CLIENT_MEM_FRACTION={args.fraction}, --hbm-gb 192", flush=True)

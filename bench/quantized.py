@@ -161,9 +161,11 @@ def plans_main(args) -> None:
     plan_table(PLANS, env, args.only)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This benchmark's options (tests/test_docs_commands.py parses the docs' command lines with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=("steps", "convert", "plans", "all"))
+    parser.add_argument("part", nargs="?", default="all", choices=("steps", "convert", "plans", "all"),
+                        help="which measurement (default: all three, about 18 minutes on 2 cores)")
     parser.add_argument("--rounds", type=int, default=3, help="steps: rounds over the three bases")
     parser.add_argument("--steps", type=int, default=8, help="steps: steps per run (the first two not counted)")
     parser.add_argument("--layers", type=int, default=2, help="convert: layers of the synthetic checkpoint")
@@ -171,6 +173,11 @@ def main() -> None:
     parser.add_argument("--only", default="", help="plans: rows whose name contains this text")
     parser.add_argument("--fraction", default="0.95", help="plans: XLA_CLIENT_MEM_FRACTION the plans are judged at")
     parser.add_argument("--workdir", default="/tmp/llama-jax-bench-quantized")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     started = time.perf_counter()
     for part, run in (("steps", steps_main), ("convert", convert_main), ("plans", plans_main)):

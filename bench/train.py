@@ -191,7 +191,8 @@ def cli_main(args) -> None:
     print(f"ratio CLI / in-process (medians): {ratio:.3f} ({ratio - 1:+.1%})")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This benchmark's options (tests/test_docs_commands.py parses the docs' command lines with it)."""
     from finetune.config import TrainConfig
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -202,6 +203,11 @@ def main() -> None:
     parser.add_argument("--remat", default=TrainConfig.remat, help="JAX remat policy (default: finetune-lora's)")
     parser.add_argument("--cli", action="store_true", help="the in-process step against the finetune-lora command")
     parser.add_argument("--workdir", default="/tmp/llama-jax-bench", help="--cli: model, data and run directories")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.cli:
         args.steps = args.steps or 10

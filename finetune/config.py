@@ -221,8 +221,9 @@ class TrainConfig:
                         resume=Allowed("planning only"), plan_only=True)
     model_config: str | None = option(None, "with --plan: a HF config.json instead of --model",
                                       resume=Allowed("planning only"), plan_only=True)
-    hbm_gb: float = option(192.0, "with --plan: memory of one device in GB (MI300X: 192); the plan is judged against "
-                                  "the part JAX's allocator lets a run use (XLA_CLIENT_MEM_FRACTION, default 0.75)",
+    hbm_gb: float = option(192.0, "with --plan: memory of one device in GB of 1e9 bytes (MI300X: 206.1, its 192 GiB; "
+                                  "205.8 on an MI300X VF; 192 is conservative); the plan is judged against the part "
+                                  "JAX's allocator lets a run use (XLA_CLIENT_MEM_FRACTION, default 0.75)",
                            resume=Allowed("planning only"), plan_only=True)
     fit: bool = option(False, "with --plan: try --remat, --grad-accum and --mesh settings, fastest first, and print "
                               "the first that fits as a command line",

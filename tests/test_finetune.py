@@ -150,6 +150,7 @@ def test_metrics_eval_loss_and_tensorboard(tmp_path, tiny_converted, data_file, 
     expected_mfu = flops * tokens_per_step / tick / (peak_per_device * jax.device_count())
     for r in records:
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "target_tokens"} <= r.keys()
+        assert "peak_memory_gb" not in r  # the CPU backend reports no device memory
         assert r["tokens_per_s"] == tokens_per_step / tick
         assert r["mfu"] == pytest.approx(expected_mfu, rel=1e-12)
     assert [("eval_loss" in r) for r in records] == [False, True, False, True]
@@ -159,7 +160,66 @@ def test_metrics_eval_loss_and_tensorboard(tmp_path, tiny_converted, data_file, 
     assert [records[1]["eval_loss"], records[3]["eval_loss"]] == pytest.approx(expected, rel=1e-5)
     assert abs(expected[1] - expected[0]) > 1e-3 * expected[0]  # so a loss of the wrong step would not pass
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
-    assert str(summary).startswith("trained 4 steps, loss ")
+    assert str(summary).startswith("trained 4 steps, loss ") and "peak device memory" not in str(summary)
+
+
+@pytest.mark.slow
+def test_a_mesh_smaller_than_the_devices_trains_on_the_first_ones(tmp_path, tiny_converted, data_file, capsys,
+                                                                   monkeypatch):
+    """A 2-device mesh on 8 devices: the run says once that it leaves 6 unused, and its MFU is over the peak of
+    the 2 devices it uses."""
+    import finetune.train.loop
+    from finetune.step import mesh as mesh_module
+
+    mesh_module._note_unused_devices.cache_clear()  # printed once per process
+    peak_per_device, tick = 1e9, 0.25
+    monkeypatch.setattr(finetune.train.loop, "measure_peak_flops", lambda dtype: peak_per_device)
+    monkeypatch.setattr(finetune.train.loop, "time", TickingClock(tick))
+    out = tmp_path / "run"
+    summary = run_training(config(tiny_converted, data_file, out, mesh="dp=1,fsdp=2,mp=1", steps=2, **FAST_COMPILE))
+    assert summary.steps == 2
+    assert stderr_lines(capsys.readouterr().err) == [
+        ("finetune-lora: note: the mesh uses 2 of the 8 visible devices; HIP_VISIBLE_DEVICES (ROCm) or "
+         "CUDA_VISIBLE_DEVICES (CUDA) chooses which are visible (JAX reserves memory on every visible GPU, used or not)")]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    flops = hand_flops_per_token(json.loads((tiny_converted / "config.json").read_text()), 32)
+    assert [r["mfu"] for r in records] == pytest.approx([flops * 8 * 32 / tick / (peak_per_device * 2)] * 2,
+                                                        rel=1e-12)
+
+
+class FakeDevice:
+    """A device whose `memory_stats()` says what a backend would: None (CPU) or a dict of counters."""
+
+    def __init__(self, stats: dict | None):
+        self.stats = stats
+
+    def memory_stats(self) -> dict | None:
+        return self.stats
+
+
+@pytest.mark.slow
+def test_logged_steps_and_summary_record_peak_device_memory(tmp_path, tiny_converted, data_file, monkeypatch):
+    """Each logged step's record holds the largest peak of the run's devices (those that report one), read as
+    the step is logged; the summary the peak at the end."""
+    import finetune.train.loop
+    from finetune.train.metrics import peak_memory_gb
+
+    skip_peak_measurement(monkeypatch)
+    reads = []
+
+    def growing_peaks(devices):  # the run's devices stand in for fakes whose peak grows with each read
+        reads.append(list(devices))
+        return peak_memory_gb([FakeDevice(None), FakeDevice({"bytes_in_use": 9e9}),
+                               FakeDevice({"peak_bytes_in_use": 2.5e9 * len(reads)}),
+                               FakeDevice({"peak_bytes_in_use": 1e9})])
+
+    monkeypatch.setattr(finetune.train.loop, "peak_memory_gb", growing_peaks)
+    out = tmp_path / "run"
+    summary = run_training(config(tiny_converted, data_file, out, steps=3, log_every=2, **FAST_COMPILE))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["peak_memory_gb"]) for r in records] == [(2, 2.5), (3, 5.0)]  # logged steps only
+    assert reads == [jax.devices()] * 3
+    assert str(summary).endswith(", peak device memory 7.5 GB")
 
 
 @pytest.mark.slow
@@ -308,7 +368,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--mesh", "dp=3,fsdp=1,mp=1"], "--mesh 'dp=3,fsdp=1,mp=1': dp x fsdp x cp x mp = 3x1x1x1 = 3 devices, but 8 are available"),
+    (["--mesh", "dp=16,fsdp=1,mp=1"],
+     "--mesh 'dp=16,fsdp=1,mp=1': dp x fsdp x cp x mp = 16x1x1x1 = 16 devices, but 8 are available"),
     (["--rank", "0"], "--rank must be a positive integer, got 0"),
     (["--seq-len", "4096"], "--seq-len 4096 exceeds the model's max_position_embeddings (1024)"),
     (["--targets", "q_proj,attn"], "LoRA targets ['attn']"),

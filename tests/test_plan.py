@@ -7,8 +7,10 @@ import pytest
 
 from finetune.cli import main
 from finetune.config import TrainConfig
-from finetune.planning.fit import candidates
+from finetune.planning.fit import candidates, offload_note
 from finetune.planning.plan import plan
+from finetune.step import mesh as mesh_module
+from jaxmodel.config import LlamaConfig
 
 LLAMA_405B = Path(__file__).parent / "data" / "llama-3.1-405b-config.json"  # meta-llama/Llama-3.1-405B's config.json
 
@@ -69,6 +71,19 @@ def test_cli_plan_on_a_small_model_reports_and_exits_by_verdict(small_config, ca
 
 
 @pytest.mark.slow
+def test_cli_plan_on_fewer_devices_than_jax_has_plans_the_first_ones(small_config, capsys):
+    """JAX has 8 devices already (a GPU node, or these tests): a 2-device mesh plans on the first 2."""
+    mesh_module._note_unused_devices.cache_clear()  # printed once per process
+    assert main(["--plan", "--model-config", str(small_config), "--mesh", "dp=1,fsdp=2,mp=1", "--batch-size", "2",
+                 "--seq-len", "32", "--dtype", "float32"]) == 0
+    captured = capsys.readouterr()
+    assert "memory per device, mesh dp=1,fsdp=2,cp=1,mp=1, cpu compiler" in captured.out
+    assert captured.err.splitlines() == [
+        ("finetune-lora: note: the mesh uses 2 of the 8 visible devices; HIP_VISIBLE_DEVICES (ROCm) or "
+         "CUDA_VISIBLE_DEVICES (CUDA) chooses which are visible (JAX reserves memory on every visible GPU, used or not)")]
+
+
+@pytest.mark.slow
 def test_cli_verdict_follows_the_memory_fraction_variable(small_config, capsys, monkeypatch):
     config = TrainConfig(plan=True, model_config=str(small_config), mesh="dp=1,fsdp=8,mp=1", batch_size=8,
                          seq_len=64, dtype="float32").validate()
@@ -100,7 +115,7 @@ def test_cli_bad_allocator_variable_is_one_line_before_compiling(small_config, c
 def test_fit_tries_settings_fastest_first():
     config = TrainConfig(plan=True, model_config="c.json", mesh="dp=1,fsdp=-1,mp=1", batch_size=4, seq_len=64,
                          remat="none", grad_accum=2)
-    tried = [(c.mesh, c.remat, c.grad_accum) for c in candidates(config, 4, "cpu")]
+    tried = [(c.mesh, c.remat, c.grad_accum) for c in candidates(config, 4)]
     assert tried == [
         ("dp=1,fsdp=4,cp=1,mp=1", "dots", 1), ("dp=1,fsdp=4,cp=1,mp=1", "full", 1),
         ("dp=1,fsdp=4,cp=1,mp=1", "full", 2), ("dp=1,fsdp=4,cp=1,mp=1", "full", 4),
@@ -108,9 +123,27 @@ def test_fit_tries_settings_fastest_first():
         ("dp=1,fsdp=2,cp=2,mp=1", "full", 2), ("dp=1,fsdp=2,cp=2,mp=1", "full", 4),
         ("dp=1,fsdp=1,cp=4,mp=1", "dots", 1), ("dp=1,fsdp=1,cp=4,mp=1", "full", 1),
         ("dp=1,fsdp=1,cp=4,mp=1", "full", 2), ("dp=1,fsdp=1,cp=4,mp=1", "full", 4)]
-    # Where the plan can show offload's savings (not on the CPU compiler), offload comes after full.
-    gpu = [(c.mesh, c.remat, c.grad_accum) for c in candidates(config, 4, "gpu")][:4]
-    assert [r for _, r, _ in gpu] == ["dots", "full", "offload", "full"]
+
+
+def test_fit_searches_only_the_devices_the_mesh_names():
+    config = TrainConfig(plan=True, model_config="c.json", mesh="dp=1,fsdp=2,mp=1", batch_size=2, seq_len=64)
+    assert [(c.mesh, c.remat, c.grad_accum) for c in candidates(config, 8)] == [
+        ("dp=1,fsdp=2,cp=1,mp=1", "dots", 1), ("dp=1,fsdp=2,cp=1,mp=1", "full", 1),
+        ("dp=1,fsdp=2,cp=1,mp=1", "full", 2),
+        ("dp=1,fsdp=1,cp=2,mp=1", "dots", 1), ("dp=1,fsdp=1,cp=2,mp=1", "full", 1),
+        ("dp=1,fsdp=1,cp=2,mp=1", "full", 2)]
+
+
+def test_fit_leaves_offload_out_and_says_what_it_would_need():
+    """Never run on a GPU, and its saved layer inputs need pinned host memory: 405B at 128k on cp=8 keeps
+    126 layers x 16384 tokens x 16384 x 2 bytes = 67.6 GB per device (541 GB a node)."""
+    config = TrainConfig(plan=True, model_config=str(LLAMA_405B), mesh="dp=1,fsdp=1,cp=8,mp=1", batch_size=1,
+                         seq_len=131072)
+    assert all(c.remat != "offload" for c in candidates(config, 8))
+    note = offload_note(config, LlamaConfig.from_hf(LLAMA_405B), {"dp": 1, "fsdp": 1, "cp": 8, "mp": 1}, "gpu")
+    assert note == ("--remat offload not tried: never measured on gpu, and it keeps each layer's input in pinned "
+                    "host memory: 67.6 GB per device here (126 layers x 16384 tokens x hidden 16384 x 2 bytes); "
+                    "plan it with --plan --remat offload")
 
 
 @pytest.mark.slow
@@ -127,7 +160,9 @@ def test_cli_fit_prints_each_tried_setting_and_the_first_that_fits(small_config,
     rows = capsys.readouterr().out.splitlines()
     assert rows[1].split()[:3] == ["dp=1,fsdp=8,cp=1,mp=1", "dots", "1"] and "DOES NOT FIT" in rows[1]
     assert rows[2].split()[:3] == ["dp=1,fsdp=8,cp=1,mp=1", "full", "1"] and "fits in" in rows[2]
-    assert rows[3:] == ["fastest setting that fits:",
+    assert rows[3].startswith("--remat offload not tried: never measured on cpu")
+    assert "(2 layers x 256 tokens x hidden 64 x 4 bytes)" in rows[3]
+    assert rows[4:] == ["fastest setting that fits:",
                         "  finetune-lora --model CONVERTED_DIR --data DATA.jsonl --out RUN_DIR "
                         "--mesh dp=1,fsdp=8,cp=1,mp=1 --seq-len 256 --dtype float32 --remat full"]
 
@@ -145,7 +180,8 @@ def test_cli_fit_when_nothing_fits_lists_every_setting_and_exits_1(small_config,
     assert [row.split()[0] for row in rows[3:6]] == ["dp=1,fsdp=8,cp=1,mp=1", "dp=1,fsdp=4,cp=2,mp=1",
                                                      "dp=1,fsdp=2,cp=4,mp=1"]
     assert all("not possible: --batch-size 1 / --grad-accum 1 must be a multiple of" in row for row in rows[3:6])
-    assert rows[6:] == ["nothing tried fits: use more devices, a shorter --seq-len or a smaller --batch-size"]
+    assert rows[6].startswith("--remat offload not tried")
+    assert rows[7:] == ["nothing tried fits: use more devices, a shorter --seq-len or a smaller --batch-size"]
 
 
 def test_fit_without_plan_is_a_usage_error(capsys):

@@ -3,23 +3,32 @@
 Settings are tried in order of expected step time, fastest first, and the first that fits ends the search:
 on each mesh (the one given first, then every `fsdp x cp` split of the same devices, fewer `cp` first) remat
 `dots` (keeps matmul outputs: the fastest policy measured, bench/train.py), then `full` (a second forward
-pass, least memory), then `offload` (on backends whose plan can show it: not the CPU compiler, which counts
-offloaded residuals as device memory), then `full` with gradient accumulation 2, 4, ... (smaller
-micro-batches). Each setting is a full plan, compiled from abstract shapes.
+pass, least memory), then `full` with gradient accumulation 2, 4, ... (smaller micro-batches). Each setting
+is a full plan, compiled from abstract shapes; the settings are tried on the devices the given mesh names.
+
+`--remat offload` is never tried: it has not been run on a GPU, and it keeps each layer's input in pinned
+host memory (hundreds of GB a node for 405B at long sequences), which a plan of device memory does not
+check; the CPU compiler even counts it as device memory. The report says so in one line, with the host
+memory it would take; `--plan --remat offload` plans it when asked.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shlex
+from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from finetune.config import ConfigFileError, TrainConfig, flag_of
 from finetune.step.mesh import parse_mesh
 from finetune.planning.plan import GB, PlanReport, plan
 from finetune.planning.allocator import usable_memory
+from finetune.step.train_step import DTYPES
+from jaxmodel.config import LlamaConfig
 from jaxmodel.sharding import MESH_AXES
 
 # Options that describe the plan, not the run (declared with plan_only=True in finetune/config.py): left out
@@ -31,6 +40,7 @@ PLAN_ONLY = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata[
 class FitReport:
     tried: list[tuple[TrainConfig, PlanReport | str]]  # each setting with its plan, or why it could not run
     chosen: TrainConfig | None
+    notes: list[str] = dataclasses.field(default_factory=list)  # what the search left out, and why
 
     @property
     def fits(self) -> bool:
@@ -44,6 +54,7 @@ class FitReport:
                 out.append(f"{head} {'-':>10}  not possible: {result}")
             else:
                 out.append(f"{head} {result.total / GB:>10.2f}  {result.verdict()}")
+        out += self.notes
         if self.chosen is None:
             out.append("nothing tried fits: use more devices, a shorter --seq-len or a smaller --batch-size")
         else:
@@ -52,16 +63,16 @@ class FitReport:
         return "\n".join(out)
 
 
-def candidates(config: TrainConfig, device_count: int, backend: str):
-    """The settings --fit tries, fastest first (see the module docstring)."""
+def candidates(config: TrainConfig, device_count: int):
+    """The settings --fit tries, fastest first (see the module docstring), on the devices the mesh names."""
     given = parse_mesh(config.mesh, device_count)
-    splits = [{**dict.fromkeys(MESH_AXES, 1), "fsdp": device_count // cp, "cp": cp}
-              for cp in _powers_of_two(device_count) if device_count % cp == 0]
+    used = math.prod(given.values())
+    splits = [{**dict.fromkeys(MESH_AXES, 1), "fsdp": used // cp, "cp": cp}
+              for cp in _powers_of_two(used) if used % cp == 0]
     meshes = [given] + [m for m in splits if m != given]
-    remats = ("dots", "full") + (("offload",) if backend != "cpu" else ())
     for mesh in meshes:
         spec = ",".join(f"{axis}={size}" for axis, size in mesh.items())
-        for remat in remats:
+        for remat in ("dots", "full"):  # never offload: see the module docstring
             yield dataclasses.replace(config, mesh=spec, remat=remat, grad_accum=1)
         for accum in _powers_of_two(config.batch_size)[1:]:
             if config.batch_size % accum == 0:
@@ -71,7 +82,9 @@ def candidates(config: TrainConfig, device_count: int, backend: str):
 def fit(config: TrainConfig) -> FitReport:
     """Plan each candidate setting until one fits."""
     tried, impossible = [], set()
-    for candidate in candidates(config, jax.device_count(), jax.default_backend()):
+    notes = [offload_note(config, LlamaConfig.from_hf(Path(config.model_config or config.model)),
+                          parse_mesh(config.mesh, jax.device_count()), jax.default_backend())]
+    for candidate in candidates(config, jax.device_count()):
         shape = (candidate.mesh, candidate.grad_accum)
         if shape in impossible:
             continue
@@ -83,8 +96,20 @@ def fit(config: TrainConfig) -> FitReport:
             continue
         tried.append((candidate, report))
         if report.fits:
-            return FitReport(tried, candidate)
-    return FitReport(tried, None)
+            return FitReport(tried, candidate, notes)
+    return FitReport(tried, None, notes)
+
+
+def offload_note(config: TrainConfig, llama: LlamaConfig, mesh: dict[str, int], backend: str) -> str:
+    """The report's line on `--remat offload`: why it was not tried, and the pinned host memory per device its
+    saved layer inputs would take on the given mesh without accumulation (every layer's input, in the compute
+    dtype, for the tokens of one device)."""
+    tokens = config.batch_size * config.seq_len // (mesh["dp"] * mesh["fsdp"] * mesh["cp"])
+    dtype_bytes = jnp.dtype(DTYPES[config.dtype]).itemsize
+    host = llama.num_hidden_layers * tokens * llama.hidden_size * dtype_bytes
+    return (f"--remat offload not tried: never measured on {backend}, and it keeps each layer's input in pinned host "
+            f"memory: {host / GB:.1f} GB per device here ({llama.num_hidden_layers} layers x {tokens} tokens x hidden "
+            f"{llama.hidden_size} x {dtype_bytes} bytes); plan it with --plan --remat offload")
 
 
 def command_line(config: TrainConfig) -> str:

@@ -19,7 +19,7 @@ from finetune.config import TrainConfig
 from finetune.step.mesh import initialize_distributed
 from finetune.train.batches import batch_at, global_batch, pair_batch
 from finetune.train.prefetch import Prefetcher
-from finetune.train.metrics import MetricsWriter, flops_per_token, measure_peak_flops
+from finetune.train.metrics import MetricsWriter, flops_per_token, measure_peak_flops, peak_memory_gb
 from finetune.run.directory import RunDir
 from finetune.run.errors import RunDirError
 from finetune.run.files import CHECKPOINTS, METRICS
@@ -40,11 +40,13 @@ class RunSummary:
     tokens_per_s: float
     seconds: float
     stopped_early: bool = False
+    peak_memory_gb: float | None = None  # of the busiest device of this process; None where the backend says nothing
 
     def __str__(self) -> str:
         how = "stopped by SIGTERM after" if self.stopped_early else "trained"
         losses = f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}" if self.last_loss is not None else "no steps"
-        return f"{how} {self.steps} steps, {losses}, {self.tokens_per_s:,.0f} tokens/s, {self.seconds:.1f} s"
+        memory = f", peak device memory {self.peak_memory_gb:.1f} GB" if self.peak_memory_gb is not None else ""
+        return f"{how} {self.steps} steps, {losses}, {self.tokens_per_s:,.0f} tokens/s, {self.seconds:.1f} s{memory}"
 
 
 # Global batches built and sent to the devices ahead of the step that takes them (0: built in the step loop).
@@ -164,7 +166,8 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
 
     train_rows, batch_sharding = run.train_rows, run.batch_sharding
     flops = flops_per_token(run.llama, config.seq_len)
-    peak = measure_peak_flops(DTYPES[config.dtype]) * jax.device_count()
+    peak = measure_peak_flops(DTYPES[config.dtype]) * mesh.devices.size  # the mesh may leave devices unused
+    memory_devices = mesh.local_devices
     started = time.perf_counter()
     from tqdm import tqdm
 
@@ -174,8 +177,11 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
     rows_per_step = train_rows.rows_per_step if config.preference else config.batch_size
     reader = _StepReader(config, checkpoints, bar, flops, peak, start_step, rows_per_step)
 
-    def log(step: int, record: dict) -> None:
+    def log(step: int, record: dict) -> None:  # called once the step is read, so the memory read waits on nothing
         if step % config.log_every == 0 or step == config.steps:
+            peak_memory = peak_memory_gb(memory_devices)
+            if peak_memory is not None:
+                record = {**record, "peak_memory_gb": peak_memory}
             _write_metrics(metrics, out, step, record)
 
     def save(state: TrainState, step: int) -> None:
@@ -237,7 +243,8 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
         stop.restore()
     elapsed = time.perf_counter() - started
     return RunSummary(reader.done - start_step, reader.first_loss, reader.last_loss,
-                      reader.tokens_seen / max(elapsed, 1e-9), elapsed, stopped_early=stop.requested)
+                      reader.tokens_seen / max(elapsed, 1e-9), elapsed, stopped_early=stop.requested,
+                      peak_memory_gb=peak_memory_gb(memory_devices))
 
 
 class _StepReader:

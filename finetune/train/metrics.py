@@ -43,6 +43,15 @@ def measure_peak_flops(dtype, size: int = 2048, repeats: int = 5) -> float:
     return 2.0 * size**3 / best
 
 
+def peak_memory_gb(devices) -> float | None:
+    """The most memory any of `devices` has held at once since the process started, in GB (1e9 bytes), or None
+    where the backend does not report it (`memory_stats()` is None on CPU). A host call: read it after a
+    step's metrics, never between dispatches."""
+    stats = [device.memory_stats() or {} for device in devices]
+    peaks = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
+    return max(peaks) / 1e9 if peaks else None
+
+
 class MetricsWriter:
     """Writes on process 0 only; every process calls it. `purge_step`: on resume, TensorBoard drops the
     events of this step and later that an interrupted run had written (metrics.jsonl is truncated alike)."""
