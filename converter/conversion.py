@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from converter.errors import ConversionError, ConversionUsageError
-from converter.hub import resolve_source
+from converter.hub import resolve_source, source_record
 from jaxmodel.formats.hf_names import is_stacked, jax_to_hf
 from jaxmodel.formats.hf_checkpoint import (AUX_FILES, HFCheckpointError, SourceTensor, close_file, iter_chunks,
                                             list_tensors, open_file)
@@ -77,9 +77,10 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "keep", quantize: 
     config = LlamaConfig.from_hf(source_dir)
     kind, tensors = list_tensors(source_dir)
     plan = _plan(config, tensors, source_dir, DTYPE_CHOICES[dtype], quantization)
+    source = source_record(src, source_dir)
     try:
         with atomic_directory(target, "converting") as tmp:
-            total = _copy(plan, tensors, kind, tmp, progress)
+            total = _copy(plan, tensors, kind, tmp, progress, source)
             for name in AUX_FILES:
                 if (source_dir / name).is_file():
                     shutil.copyfile(source_dir / name, tmp / name)
@@ -162,7 +163,8 @@ def _quantized_paths(config: LlamaConfig, expected: dict, quantization: Quantiza
     return paths
 
 
-def _copy(plan: _Plan, tensors: list[SourceTensor], kind: str, tmp: Path, progress: bool) -> int:
+def _copy(plan: _Plan, tensors: list[SourceTensor], kind: str, tmp: Path, progress: bool,
+          source: dict | None = None) -> int:
     """Stream every planned tensor into its slice, file by file; returns bytes written."""
     from tqdm import tqdm
 
@@ -193,7 +195,8 @@ def _copy(plan: _Plan, tensors: list[SourceTensor], kind: str, tmp: Path, progre
                         bar.update(n)
                 finally:
                     close_file(handle)
-        writer.finish({"layout": "torch: Linear weights [out, in]; per-layer tensors stacked on axis 0"})
+        writer.finish({"layout": "torch: Linear weights [out, in]; per-layer tensors stacked on axis 0",
+                       **({"source": source} if source else {})})
     finally:
         writer.close()
     return written

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -53,3 +54,27 @@ def _snapshot(snapshot_download, repo_id: str, revision: str | None, *, local_fi
         folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS + HUB_BIN_PATTERNS,
                                         local_files_only=local_files_only))
     return folder
+
+
+def source_record(src: str | Path, source_dir: Path) -> dict[str, str]:
+    """What a converted checkpoint records of where it came from (`jaxmodel.formats.checkpoint.checkpoint_source`):
+    the hub id and the commit of its cached snapshot (the snapshot directory's name), or the local directory's
+    absolute path; the digest of its config.json and this converter's version."""
+    if Path(src).expanduser().exists():
+        record = {"path": str(Path(src).expanduser().resolve())}
+    else:
+        record = {"hub_id": str(src), "revision": source_dir.name}
+    config = source_dir / "config.json"
+    if config.is_file():
+        record["config_sha256"] = hashlib.sha256(config.read_bytes()).hexdigest()
+    record["converter_version"] = converter_version()
+    return record
+
+
+def converter_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llama-jax")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"

@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a PEFT adapter at --out / an HF checkpoint at --merge (never anything else)")
     parser.add_argument("--base-model", default=None,
-                        help="base_model_name_or_path to record (default: the converted checkpoint the run used)")
+                        help="base_model_name_or_path to record (default: the hub id and revision or the HF "
+                             "directory the run's base was converted from, as convert-llama recorded it)")
     return parser
 
 
@@ -42,17 +43,25 @@ def main(argv: list[str] | None = None) -> int:
     from export.merge import parse_size
     from jaxmodel.errors import UserError, report
 
+    notes: list[str] = []
+
+    def note(message: str) -> None:  # once, whether --out, --merge or both
+        if message not in notes:
+            notes.append(message)
+            print(f"export-peft: note: {message}", file=sys.stderr)
+
     try:
         shard_size = parse_size(args.max_shard_size)
         check_export_targets(args.run, args.out, args.merge, overwrite=args.overwrite,  # both, before writing either
                              merge_base=args.merge_base)
         if args.out:
             out, step, lora = export_adapter(args.run, args.out, step=args.step, dtype=args.dtype,
-                                             base_model=args.base_model, overwrite=args.overwrite)
+                                             base_model=args.base_model, overwrite=args.overwrite, note=note)
             print(f"exported the LoRA adapters of step {step} (r={lora.rank}, alpha={lora.alpha:g}) -> {out}")
         if args.merge:
             merged, step = export_merged(args.run, args.merge, step=args.step, max_shard_size=shard_size,
-                                         overwrite=args.overwrite, merge_base=args.merge_base)
+                                         overwrite=args.overwrite, merge_base=args.merge_base,
+                                         base_model=args.base_model, note=note)
             into = f"--merge-base {args.merge_base}" if args.merge_base else "the run's base"
             print(f"merged the LoRA adapters of step {step} into {into} -> {merged}")
     except UserError as e:

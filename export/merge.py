@@ -147,9 +147,10 @@ def merge_base_for(base_model: str | Path, merge_base: str | Path | None) -> Mer
 
 
 def save_merged(out: str | Path, base: str | Path | MergeBase, lora: nnx.State, lora_config: LoraConfig, *,
-                max_shard_size: int = 5 * 10**9) -> Path:
+                max_shard_size: int = 5 * 10**9, name_or_path: str | None = None, card: str | None = None) -> Path:
     """Write `base` (a MergeBase, or the directory of one) with the adapters folded in to `out` (atomically);
-    returns `out`. The merged tensors keep the base's names, dtypes and HF order."""
+    returns `out`. The merged tensors keep the base's names, dtypes and HF order. `name_or_path` is recorded as
+    config.json's `_name_or_path`; `card` is written as README.md."""
     out = Path(out)
     base = base if isinstance(base, MergeBase) else MergeBase(base)
     adapters = {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(lora)}
@@ -177,6 +178,12 @@ def save_merged(out: str | Path, base: str | Path | MergeBase, lora: nnx.State, 
             for name in AUX_FILES:
                 if (base.directory / name).is_file():
                     shutil.copyfile(base.directory / name, tmp / name)
+            if name_or_path is not None and (tmp / "config.json").is_file():
+                config = json.loads((tmp / "config.json").read_text())
+                config["_name_or_path"] = name_or_path
+                (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            if card is not None:
+                (tmp / "README.md").write_text(card)
     finally:
         base.close()
     return out

@@ -53,6 +53,11 @@ def files(directory) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
+def merged_files(directory) -> dict[str, bytes]:
+    """A merge's files less its README.md, which names the run it came from."""
+    return {name: data for name, data in files(directory).items() if name != "README.md"}
+
+
 @pytest.mark.slow
 def test_adapter_is_the_one_an_unquantized_base_gives_and_its_card_names_the_quantization(tmp_path, nf4_run,
                                                                                           converted):
@@ -86,9 +91,9 @@ def test_merge_into_a_bf16_converted_base_equals_the_plain_merge_byte_for_byte(t
                         str(converted / "bf16"), "--max-shard-size", "100KB"]) == 0
     plain = same_run_on(nf4_run, converted / "bf16", tmp_path)
     assert export_main(["--run", str(plain), "--merge", str(tmp_path / "plain"), "--max-shard-size", "100KB"]) == 0
-    merged = files(tmp_path / "merged")
+    merged = merged_files(tmp_path / "merged")
     assert len([name for name in merged if name.endswith(".safetensors")]) > 1
-    assert merged == files(tmp_path / "plain")
+    assert merged == merged_files(tmp_path / "plain")
     # transformers loads it (the plain merge's logits are checked in tests/test_export.py)
     model = HFLlamaForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     with torch.no_grad():
@@ -107,7 +112,7 @@ def test_merge_into_the_hf_checkpoint_equals_the_merge_into_its_conversion(tmp_p
     assert f"into --merge-base {tiny_checkpoint} ->" in capsys.readouterr().out
     plain = same_run_on(nf4_run, tiny_converted, tmp_path)
     assert export_main(["--run", str(plain), "--merge", str(tmp_path / "plain")]) == 0
-    assert files(tmp_path / "merged") == files(tmp_path / "plain")
+    assert merged_files(tmp_path / "merged") == merged_files(tmp_path / "plain")
 
 
 def test_merge_base_of_another_model_or_quantized_is_one_line(tmp_path, nf4_run, converted, capsys):

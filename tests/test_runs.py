@@ -127,8 +127,8 @@ def test_overwrite_starts_a_clean_run(tmp_path, tiny_converted, data_file, finis
     run = copy_of(finished_run, tmp_path)
     (run / "resumes.jsonl").write_text(json.dumps({"time": "t", "from_step": 2, "changes": {}}) + "\n")
     assert main(cli_args(tiny_converted, data_file, run, "--overwrite", steps="2", rank="4")) == 0
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl", "run_config.json", "run_data.json",
-                                                     "tensorboard"]
+    assert sorted(p.name for p in run.iterdir()) == ["base_source.json", "checkpoints", "metrics.jsonl",
+                                                     "run_config.json", "run_data.json", "tensorboard"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
     assert [r["step"] for r in metrics(run)] == [1, 2]
     assert len(list((run / "tensorboard").iterdir())) == 1

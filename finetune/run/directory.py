@@ -25,10 +25,11 @@ from pathlib import Path
 from finetune.config import ConfigFileError, TrainConfig, flag_of
 from finetune.run.data_record import describe_data_changes, read_data_record
 from finetune.run.errors import RunDirError
-from finetune.run.files import DAMAGED, DELETING, LOCK_FILE, METRICS, RESUMES, RUN_CONFIG, RUN_DATA
+from finetune.run.files import BASE_SOURCE, DAMAGED, DELETING, LOCK_FILE, METRICS, RESUMES, RUN_CONFIG, RUN_DATA
 from finetune.run.lock import RunLock
 from finetune.run.policy import PATHS, compare, describe_changes, same_path
 from finetune.run.reading import checkpoint_steps, current_run_config
+from jaxmodel.formats.checkpoint import MANIFEST, checkpoint_source, read_manifest
 from jaxmodel.formats.markers import RUN, directory_kinds
 
 def _entries(out: Path) -> list[str]:
@@ -121,8 +122,8 @@ class RunDir:
             raise
 
     def start(self, config: TrainConfig, data: dict[str, dict] | None = None) -> None:
-        """A new run: delete the run an --overwrite replaces, then write run_config.json (first) and the record
-        of its `data` (run_data.json)."""
+        """A new run: delete the run an --overwrite replaces, then write run_config.json (first), the record
+        of its `data` (run_data.json) and the source of its base (base_source.json, when --model records one)."""
         if not self.writer:
             return
         entries = _entries(self.out)
@@ -136,6 +137,9 @@ class RunDir:
         self._write(RUN_CONFIG, json.dumps(dataclasses.asdict(config), indent=1) + "\n")
         if data is not None:
             self._write(RUN_DATA, json.dumps({"step": 0, **data}, indent=1) + "\n")
+        source = checkpoint_source(read_manifest(config.model), Path(config.model) / MANIFEST)
+        if source is not None:
+            self._write(BASE_SOURCE, json.dumps(source, indent=1) + "\n")
 
     def check_data(self, data: dict[str, dict]) -> None:
         """Raise RunDirError when the tokens of `data` (`finetune.data.prepare.RunData.record`) differ from those

@@ -17,9 +17,10 @@ from flax import nnx
 from finetune.run.checkpoints import CheckpointError, RunCheckpoints, describe_damaged
 from finetune.config import TrainConfig
 from finetune.run.errors import RunError
-from finetune.run.files import CHECKPOINTS, RESUMES, RUN_CONFIG
+from finetune.run.files import BASE_SOURCE, CHECKPOINTS, RESUMES, RUN_CONFIG
 from finetune.step.train_step import TrainState, make_optimizer, split_model
 from jaxmodel.config import LlamaConfig
+from jaxmodel.formats.checkpoint import check_source
 from jaxmodel.formats.io import read_json
 from jaxmodel.lora import LoraConfig, apply_lora
 from jaxmodel.model import LlamaForCausalLM
@@ -38,6 +39,15 @@ def read_run_config(run_dir: str | Path) -> TrainConfig:
     if unknown:
         raise RunError(f"{config_path}: unknown option '{unknown[0]}' (written by another version of finetune-lora?)")
     return TrainConfig(**raw)
+
+
+def read_base_source(run_dir: str | Path) -> dict | None:
+    """The HF checkpoint the run's base was converted from (`base_source.json`), or None for a run without that
+    record (started on an older conversion, or by an older finetune-lora)."""
+    path = Path(run_dir) / BASE_SOURCE
+    if not path.is_file():
+        return None
+    return check_source(read_json(path, RunError), str(path), RunError)
 
 
 def read_resumes(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -14,6 +14,11 @@ A quantized checkpoint (version 2) also records `"quantization": {"scheme": ...,
 each projection as `<module>.codes` and `<module>.scales` (`jaxmodel.quantization`) instead of
 `<module>.weight`. Unquantized checkpoints stay version 1, so readers that predate quantization keep
 reading them and refuse a quantized one by its version rather than by a missing tensor.
+
+The manifest may also record where the weights came from, `"source"` (`checkpoint_source`): `{"hub_id", "revision"}`
+for a hub id (the commit of the snapshot converted) or `{"path"}` (the HF directory, absolute), both with
+`"config_sha256"` and `"converter_version"`. It is optional and adds no version: checkpoints converted before it
+have none, and readers that predate it ignore it.
 """
 
 from __future__ import annotations
@@ -105,7 +110,37 @@ def read_manifest(directory: str | Path) -> dict:
         raise CheckpointError(f"{path}: format {manifest.get('format')!r} v{manifest.get('version')}, expected "
                               f"{FORMAT!r} v{FORMAT_VERSION} or v{QUANTIZED_FORMAT_VERSION}")
     checkpoint_quantization(manifest, path)
+    checkpoint_source(manifest, path)
     return manifest
+
+
+SOURCE_FIELDS = ("hub_id", "revision", "path", "config_sha256", "converter_version")
+
+
+def checkpoint_source(manifest: Mapping, path: str | Path = MANIFEST) -> dict | None:
+    """The HF checkpoint a manifest records it was converted from (None when it records none: an older
+    conversion); CheckpointError naming `path` if malformed."""
+    return check_source(manifest.get("source"), f"{path}: 'source'", CheckpointError)
+
+
+def check_source(source, where: str, error: type[Exception]) -> dict | None:
+    """`source` (None, or an object naming a hub id or a path, `SOURCE_FIELDS` as strings) checked; `error(message)`
+    naming `where` otherwise."""
+    if source is None:
+        return None
+    if not isinstance(source, dict) or not all(isinstance(v, str) for v in source.values()) or \
+            ("hub_id" in source) == ("path" in source):
+        raise error(f"{where}: expected {{\"hub_id\": ..., \"revision\": ...}} or {{\"path\": ...}} with string "
+                    f"values, found {source!r}")
+    return dict(source)
+
+
+def source_reference(source: Mapping) -> tuple[str, str | None]:
+    """(what `from_pretrained` takes, the revision) for a recorded source: the hub id and its commit, or the
+    HF directory's path and None."""
+    if "hub_id" in source:
+        return source["hub_id"], source.get("revision")
+    return source["path"], None
 
 
 def checkpoint_quantization(manifest: Mapping, path: str | Path = MANIFEST) -> Quantization | None:

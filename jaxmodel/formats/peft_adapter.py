@@ -51,8 +51,9 @@ def peft_tensors(lora: nnx.State, dtype=np.float32) -> dict[str, np.ndarray]:
     return tensors
 
 
-def adapter_config(lora_config: LoraConfig, base_model: str) -> dict[str, Any]:
-    """adapter_config.json as PEFT writes it for a LoRA on a causal LM (sorted keys, every field)."""
+def adapter_config(lora_config: LoraConfig, base_model: str, revision: str | None = None) -> dict[str, Any]:
+    """adapter_config.json as PEFT writes it for a LoRA on a causal LM (sorted keys, every field). `base_model`
+    and `revision` are what `AutoPeftModelForCausalLM` loads the base from."""
     return {
         "alora_invocation_tokens": None, "alpha_pattern": {}, "arrow_config": None, "auto_mapping": None,
         "base_model_name_or_path": base_model, "bias": "none", "corda_config": None, "ensure_weight_tying": False,
@@ -62,16 +63,18 @@ def adapter_config(lora_config: LoraConfig, base_model: str) -> dict[str, Any]:
         "lora_dropout": lora_config.dropout, "lora_ga_config": None, "megatron_config": None,
         "megatron_core": "megatron.core", "modules_to_save": None, "monteclora_config": None, "peft_type": "LORA",
         "peft_version": PEFT_VERSION, "qalora_group_size": 16, "r": lora_config.rank, "rank_pattern": {},
-        "revision": None, "target_modules": sorted(lora_config.targets), "target_parameters": None,
+        "revision": revision, "target_modules": sorted(lora_config.targets), "target_parameters": None,
         "task_type": "CAUSAL_LM", "trainable_token_indices": None, "use_bdlora": None, "use_dora": False,
         "use_qalora": False, "use_rslora": lora_config.rslora, "velora_config": None,
     }
 
 
 def save_peft_adapter(out: str | Path, lora: nnx.State, lora_config: LoraConfig, *, base_model: str,
-                      dtype: str = "float32", card: Mapping[str, Any] | None = None) -> Path:
+                      dtype: str = "float32", card: Mapping[str, Any] | None = None,
+                      revision: str | None = None) -> Path:
     """Write `adapter_model.safetensors`, `adapter_config.json` and a README.md model card into `out`,
-    atomically (a temporary directory renamed into place)."""
+    atomically (a temporary directory renamed into place). `base_model` (a hub id or HF directory) and its
+    `revision` go into adapter_config.json and the card."""
     from safetensors.numpy import save_file
 
     if dtype not in EXPORT_DTYPES:
@@ -82,9 +85,10 @@ def save_peft_adapter(out: str | Path, lora: nnx.State, lora_config: LoraConfig,
     out = Path(out)
     with atomic_directory(out, "exporting") as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(lora_config, base_model), indent=2,
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(lora_config, base_model, revision), indent=2,
                                                      sort_keys=True) + "\n")
-        (tmp / "README.md").write_text(model_card(lora_config, base_model, card or {}))
+        details = {**({"base revision": revision} if revision else {}), **(card or {})}
+        (tmp / "README.md").write_text(model_card(lora_config, base_model, details))
     return out
 
 
