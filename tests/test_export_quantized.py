@@ -2,6 +2,7 @@
 which base it trained on), and --merge only into unquantized weights (--merge-base), byte for byte the merge of
 the same adapter into those weights."""
 
+import hashlib
 import json
 import shutil
 
@@ -53,9 +54,10 @@ def files(directory) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
-def merged_files(directory) -> dict[str, bytes]:
-    """A merge's files less its README.md, which names the run it came from."""
-    return {name: data for name, data in files(directory).items() if name != "README.md"}
+def merged_files(directory) -> dict[str, str]:
+    """The sha256 of each of a merge's files less its README.md, which names the run it came from (digests: a
+    failing comparison of whole weight files would spend minutes diffing their bytes)."""
+    return {name: hashlib.sha256(data).hexdigest() for name, data in files(directory).items() if name != "README.md"}
 
 
 @pytest.mark.slow
