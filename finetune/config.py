@@ -162,7 +162,7 @@ class TrainConfig:
     # preference tuning
     objective: Literal["sft", "dpo", "ipo", "simpo", "orpo"] = option(
         "sft", "what the step minimises: sft (next-token loss on the trained tokens) or a preference objective on "
-               "chosen/rejected pairs (dpo, ipo, simpo, orpo; docs/preference.md); with a preference objective "
+               "chosen/rejected pairs (dpo, ipo, simpo, orpo; docs/preference-tuning.md); with a preference objective "
                "--batch-size counts pairs",
         resume=Refused("the function being optimised"))
     beta: float = option(0.1, "dpo/ipo/simpo: the inverse temperature b of the preference loss",

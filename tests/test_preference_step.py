@@ -70,7 +70,7 @@ def log_sigmoid(x):
 
 
 def expected_loss(objective: str, policy, reference, beta=0.1, e=0.0, gamma=0.5, lam=0.1) -> float:
-    """The objectives' definitions (docs/preference.md) over per-pair (logp, count) of policy and reference."""
+    """The objectives' definitions (docs/preference-tuning.md) over per-pair (logp, count) of policy and reference."""
     losses = []
     for (lc, nc, lr, nr), (rc, _, rr, _) in zip(policy, reference):
         ac, ar = lc / nc, lr / nr
