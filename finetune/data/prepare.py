@@ -94,9 +94,6 @@ def pack_data(config: TrainConfig, run_data: RunData, main: bool = True, *, ways
         eval_report = held_out.report(eval_examples, config.seq_len)
         eval_report.require_targets(run_data.eval_name)
         report = _both(report, eval_report)
-    warning = report.warning()
-    if warning and main:
-        print(f"finetune-lora: warning: {warning}", file=sys.stderr)
     train_rows = PackedRows.build(data.cached.data, examples, config.seq_len, config.pack)
     eval_rows = None if held_out is None else PackedRows.build(held_out.cached.data, eval_examples, config.seq_len,
                                                               config.pack)
@@ -107,7 +104,7 @@ def pack_data(config: TrainConfig, run_data: RunData, main: bool = True, *, ways
         if eval_rows is not None:
             line += f" (+ {len(eval_rows):,} held out, from {len(eval_examples):,} rows)"
         line += f"; {report.truncated:,} truncated, {report.examples - report.with_targets:,} with no targets"
-        _print_summary(config, run_data, line)
+        _print_summary(config, run_data, report.warning(), line)
     return train_rows, None if eval_rows is None else eval_rows.padded_to_multiple(config.batch_size)
 
 
@@ -126,9 +123,6 @@ def pack_pairs(config: TrainConfig, run_data: RunData, main: bool = True, *, way
                                             held_out.source.where)
         eval_report.require_pairs(run_data.eval_name)
         report = report + eval_report
-    warning = report.warning()
-    if warning and main:
-        print(f"finetune-lora: warning: {warning}", file=sys.stderr)
     shape = dict(pack=config.pack, batch_size=config.batch_size, grad_accum=config.grad_accum, ways=ways)
     rows_per_group = needed_rows_per_group(data.cached.data, train, config.seq_len, **shape)
     if evaluated is not None:  # walked once in order: a group never holds a pair twice
@@ -146,12 +140,15 @@ def pack_pairs(config: TrainConfig, run_data: RunData, main: bool = True, *, way
         if eval_rows is not None:
             line += f" (+ {len(eval_rows):,} held-out pairs, {eval_rows.eval_steps:,} steps)"
         line += f"; {report.truncated:,} truncated, {report.dropped:,} dropped"
-        _print_summary(config, run_data, line)
+        _print_summary(config, run_data, report.warning(), line)
     return train_rows, eval_rows
 
 
-def _print_summary(config: TrainConfig, run_data: RunData, line: str) -> None:
-    """The run's one data line: what was prepared (`line`), where its cache entries are, and how long it took."""
+def _print_summary(config: TrainConfig, run_data: RunData, warning: str | None, line: str) -> None:
+    """The truncation `warning` line, if any, then the run's one data line: what was prepared (`line`), where its
+    cache entries are, and how long it took."""
+    if warning:
+        print(f"finetune-lora: warning: {warning}", file=sys.stderr)
     line += f"; {run_data.data.cache_status()}"
     if config.eval_data:
         line += f"; --eval-data {run_data.held_out.cache_status()}"
@@ -161,7 +158,7 @@ def _print_summary(config: TrainConfig, run_data: RunData, line: str) -> None:
 def check_objective(config: TrainConfig, source: DataSource, layout: Detection) -> None:
     """DataError naming `source` when its layout does not go with --objective: preference pairs train only a
     preference objective, and other rows only sft."""
-    objective = getattr(config, "objective", "sft")
+    objective = config.objective
     first = f" (first row: {source.where(0)})" if len(source) else ""
     if is_preference(layout.layout) and objective == "sft":
         raise DataError(f"{source.description}: the rows are preference pairs (layout {layout.layout}){first}, which "

@@ -90,23 +90,33 @@ def loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, batch: dict[str, 
     Sums of per-token losses and gradients are divided once by the batch's target-token count, so the
     result does not depend on how the batch is split over micro-batches or devices.
     """
-    def micro_loss(lora, micro, key):
+    def micro_loss(lora, micro, key):  # (loss sum, target tokens)
         return loss_sums(nnx.merge(graphdef, base, lora), micro, key, loss_chunk)
 
-    micro = micro_batches(batch, grad_accum)
-    grad_of = jax.value_and_grad(micro_loss, has_aux=True)  # d(loss sum)/d(LoRA), token count as aux
+    loss_sum, tokens, grads = summed_over_micro_batches(micro_loss, lora, batch, grad_accum, dropout_key,
+                                                        jnp.float32(0))
+    denom = jnp.maximum(tokens, 1.0)
+    return loss_sum / denom, tokens, jax.tree.map(lambda g: g / denom, grads)
+
+
+def summed_over_micro_batches(loss_fn, lora: nnx.State, batch: dict[str, jax.Array], grad_accum: int, dropout_key,
+                              aux_zeros):
+    """(loss sum, aux sums, d loss sum / d LoRA) of `loss_fn(lora, micro_batch, key) -> (loss sum, aux)` summed
+    over the `grad_accum` micro-batches of `batch` in one scan: the gradient accumulation of every objective.
+    `aux_zeros`: zeros shaped like `aux` (a pytree of counts and metric sums)."""
+    grad_of = jax.value_and_grad(loss_fn, has_aux=True)
 
     def accumulate(carry, xs):
-        grads, loss_sum, tokens = carry
+        grads, loss_sum, aux = carry
         mb, key = xs
-        (l, n), g = grad_of(lora, mb, key)
-        return (jax.tree.map(jnp.add, grads, g), loss_sum + l, tokens + n), None
+        (l, a), g = grad_of(lora, mb, key)
+        return (jax.tree.map(jnp.add, grads, g), loss_sum + l, jax.tree.map(jnp.add, aux, a)), None
 
     zeros = jax.tree.map(jnp.zeros_like, lora)
     keys = None if dropout_key is None else jax.random.split(dropout_key, grad_accum)
-    (grads, loss_sum, tokens), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), (micro, keys))
-    denom = jnp.maximum(tokens, 1.0)
-    return loss_sum / denom, tokens, jax.tree.map(lambda g: g / denom, grads)
+    (grads, loss_sum, aux), _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0), aux_zeros),
+                                             (micro_batches(batch, grad_accum), keys))
+    return loss_sum, aux, grads
 
 
 def micro_batches(batch: dict[str, jax.Array], grad_accum: int) -> dict[str, jax.Array]:
@@ -138,20 +148,13 @@ def preference_loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, refere
     slots, one micro-batch at a time; sums divided once by the number of real pairs in the whole batch, so the
     result does not depend on how the pairs are split over micro-batches, devices or processes."""
     slots = 2 * pairs // grad_accum
-    grad_of = jax.value_and_grad(lambda lora, mb, key: preference_sums(graphdef, lora, base, reference, mb, objective,
-                                                                       slots, key, loss_chunk), has_aux=True)
 
-    def accumulate(carry, xs):
-        grads, loss_sum, n, sums = carry
-        mb, key = xs
-        (l, (p, m)), g = grad_of(lora, mb, key)
-        return (jax.tree.map(jnp.add, grads, g), loss_sum + l, n + p, jax.tree.map(jnp.add, sums, m)), None
+    def micro_loss(lora, micro, key):  # (pair loss sum, (pairs, metric sums))
+        return preference_sums(graphdef, lora, base, reference, micro, objective, slots, key, loss_chunk)
 
-    zeros = jax.tree.map(jnp.zeros_like, lora)
     metric_zeros = {k: jnp.float32(0) for k in ("tokens", *objective.metric_names())}
-    keys = None if dropout_key is None else jax.random.split(dropout_key, grad_accum)
-    (grads, loss_sum, n, sums), _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0), jnp.float32(0), metric_zeros),
-                                                 (micro_batches(batch, grad_accum), keys))
+    loss_sum, (n, sums), grads = summed_over_micro_batches(micro_loss, lora, batch, grad_accum, dropout_key,
+                                                           (jnp.float32(0), metric_zeros))
     denom = jnp.maximum(n, 1.0)
     metrics = {k: (v if k == "tokens" else v / denom) for k, v in sums.items()}
     return loss_sum / denom, {"pairs": n, **metrics}, jax.tree.map(lambda g: g / denom, grads)

@@ -290,8 +290,9 @@ class _StepReader:
         record = {"loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
                   "tokens_per_s": tokens / seconds, "mfu": self.flops * tokens / seconds / self.peak,
                   "target_tokens": int(m["tokens"])}
-        for name in m.keys() - {"loss", "lr", "grad_norm", "tokens"}:  # a preference objective's metrics
-            record[name] = int(m[name]) if name == "pairs" else float(m[name])
+        for name, value in m.items():  # a preference objective's metrics, in the step's order
+            if name not in ("loss", "lr", "grad_norm", "tokens"):
+                record[name] = int(value) if name == "pairs" else float(value)
         return step, record
 
 
