@@ -10,6 +10,10 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The one cache kept across test sessions (tests/pretrained.py's downloaded checkpoint), taken from the user's cache
+# before the tools' caches are pointed at this session's directory below.
+os.environ.setdefault("LLAMA_JAX_TEST_CACHE", os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "llama-jax-tests"))
 # Caches the tools write (tokenized data, datasets' Arrow copies) go to a directory of this test session,
 # never the user's: tests and their subprocesses start from empty caches.
 _CACHE = tempfile.mkdtemp(prefix="llama-jax-tests-")
@@ -44,6 +48,28 @@ def tiny_converted(tiny_checkpoint, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("jax") / "tiny"
     convert(tiny_checkpoint, out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint():
+    """SmolLM2-135M-Instruct as an HF checkpoint directory (tests/pretrained.py), read-only; skipped with the reason
+    when it cannot be had."""
+    import pretrained
+
+    try:
+        return pretrained.smollm2_checkpoint()
+    except pretrained.Unavailable as e:
+        pytest.skip(f"SmolLM2-135M-Instruct unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_converted(smollm2_checkpoint, tmp_path_factory):
+    """`smollm2_checkpoint` converted once per session (read-only for tests)."""
+    from converter import convert
+
+    out = tmp_path_factory.mktemp("jax") / "smollm2"
+    convert(smollm2_checkpoint, out, progress=False)
     return out
 
 

