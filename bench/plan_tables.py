@@ -7,10 +7,12 @@ the setting docs/405b-on-mi300x.md uses. Devices are simulated on CPU (the CLI d
 
     python bench/plan_tables.py                        # every row (about 15-25 minutes on 2 cores)
     python bench/plan_tables.py --only 405b-cp8        # rows whose name contains the text
-    python bench/plan_tables.py --fit                  # also the --plan --fit example of the docs
+    python bench/plan_tables.py --only 405b-dpo        # the DPO rows only
+    python bench/plan_tables.py --fit                  # also the --plan --fit examples of the docs (SFT and DPO)
 
-Prints a markdown table: weights, LoRA + AdamW, temporaries (the compiler's), the measured margin, the total,
-and the verdict line of each plan.
+Prints two markdown tables, SFT rows then DPO rows (`--objective dpo --reference base`; `--batch-size` counts
+pairs, and a step holds 2 rows a pair): weights, LoRA + AdamW, temporaries (the compiler's), the measured
+margin, the total, and the verdict line of each plan.
 """
 
 from __future__ import annotations
@@ -44,8 +46,18 @@ ROWS = {
     "8b-1dev-1x32768-full": (L8, ONE, 1, 32768, ["--remat", "full"]),
     "8b-1dev-1x131072-full": (L8, ONE, 1, 131072, ["--remat", "full"]),
 }
-# The --fit example: 405B, 16 x 8192 on the node.
+# DPO against the base model (LoRA's reference: the adapters off, in the same step); batch = pairs.
+DPO = ["--objective", "dpo", "--reference", "base"]
+DPO_ROWS = {
+    "405b-dpo-fsdp8-8x2048": (L405, FSDP8, 8, 2048, DPO),
+    "405b-dpo-fsdp8-8x2048-full": (L405, FSDP8, 8, 2048, [*DPO, "--remat", "full"]),
+    "405b-dpo-fsdp8-16x2048-full": (L405, FSDP8, 16, 2048, [*DPO, "--remat", "full"]),
+    "405b-dpo-fsdp8-8x4096-full": (L405, FSDP8, 8, 4096, [*DPO, "--remat", "full"]),
+    "405b-dpo-fsdp8-8x8192-full": (L405, FSDP8, 8, 8192, [*DPO, "--remat", "full"]),
+}
+# The --fit examples: 405B, 16 x 8192 on the node; DPO, 8 pairs x 8192.
 FIT = (L405, FSDP8, 16, 8192, [])
+DPO_FIT = (L405, FSDP8, 8, 8192, DPO)
 
 
 def plan_command(config: Path, mesh: str, batch: int, seq: int, extra: list[str]) -> list[str]:
@@ -79,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="rows whose name contains this text")
     parser.add_argument("--fraction", default="0.95", help="XLA_CLIENT_MEM_FRACTION the plans are judged at")
-    parser.add_argument("--fit", action="store_true", help="also run the docs' --plan --fit example")
+    parser.add_argument("--fit", action="store_true", help="also run the docs' --plan --fit examples")
     return parser
 
 
@@ -88,9 +100,11 @@ def main() -> None:
     args = parser.parse_args()
     env = {"XLA_CLIENT_MEM_FRACTION": args.fraction}
     print(f"CPU: {cpu_description()}; XLA_CLIENT_MEM_FRACTION={args.fraction}, --hbm-gb 192", flush=True)
-    plan_table(ROWS, env, args.only)
-    if args.fit:
-        command = plan_command(*FIT) + ["--fit"]
+    for rows in (ROWS, DPO_ROWS):
+        if any(args.only in name for name in rows):
+            plan_table(rows, env, args.only)
+    for example in (FIT, DPO_FIT) if args.fit else ():
+        command = plan_command(*example) + ["--fit"]
         run = run_cli(command, env=env)
         print(f"\nXLA_CLIENT_MEM_FRACTION={args.fraction} {' '.join(command)}  ({run.seconds:.0f} s, exit "
               f"{run.returncode})\n{run.stdout}{run.stderr[-2000:] if run.returncode > 1 else ''}")
