@@ -131,6 +131,14 @@ def test_a_dpo_run_logs_trl_metrics_evaluates_and_resumes_exactly(tmp_path, tiny
     assert a[3]["loss"] < first["loss"] and a[3]["rewards/accuracies"] > 0.5
     assert {f"eval_{name}" for name in ("loss", *TRL_METRICS)} <= set(a[4])
     assert [r["loss"] for r in a[:4]] == [r["loss"] for r in b if "loss" in r]  # bit for bit
+    # MFU counts the reference's forward too: 4N + 12·L·T·H for the policy, 2N + 4·L·T·H for the reference
+    c = json.loads((tiny_converted / "config.json").read_text())
+    q = c["num_attention_heads"] * c["head_dim"]
+    n = (c["num_hidden_layers"] * c["hidden_size"] * (2 * q + 2 * c["num_key_value_heads"] * c["head_dim"]
+                                                       + 3 * c["intermediate_size"]) + c["hidden_size"] * c["vocab_size"])
+    attention = c["num_hidden_layers"] * 32 * q
+    peak = 1e12 * jax.device_count()
+    assert first["mfu"] == pytest.approx(first["tokens_per_s"] * (6 * n + 16 * attention) / peak, rel=1e-9)
     for name, value in flat(load_run(whole)[0]).items():
         np.testing.assert_array_equal(value, flat(load_run(resumed)[0])[name], err_msg=name)
 
