@@ -101,12 +101,17 @@ def spread(values: list[float]) -> str:
     return f"{median(values):.3f} ({min(values):.3f}-{max(values):.3f}, {len(values)})"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This benchmark's options (tests/test_docs_commands.py parses the docs' command lines with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of each comparison")
     parser.add_argument("--steps", type=int, default=8, help="steps of each run (the first two are left out)")
     parser.add_argument("--workdir", default="/tmp/llama-jax-bench", help="model, data and runs")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     workdir = Path(args.workdir)
     model = build_model(workdir, {**CONFIG, "rms_norm_eps": 1e-5})
     peak = float(subprocess.run([sys.executable, "-c", _PEAK], capture_output=True, text=True,
