@@ -60,8 +60,8 @@ def median_seconds(run: Callable[[], object], repeats: int, warmup: int = 1) -> 
 
 def matmul_peaks(size: int, repeats: int = 5) -> dict[str, float]:
     """FLOP/s of one device on a square `size` matmul in float32 and bfloat16: finetune-lora's own MFU
-    denominator (`measure_peak_flops`: `x @ x`, the output in the input's dtype, as the model's projections
-    compute; XLA accumulates bf16 products in float32 on GPUs and TPUs)."""
+    denominator (`measure_peak_flops`: `x @ x` on operands in the dtype, accumulated and returned in float32,
+    the form of every backend's fast bf16 path)."""
     return {name: measure_peak_flops(DTYPES[name], size, repeats) for name in ("float32", "bfloat16")}
 
 

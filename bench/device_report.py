@@ -4,8 +4,8 @@ Needs only the JAX stack (jax, flax, optax, numpy) and this repository: random w
 checkpoint, no network, no torch. It measures, on the devices JAX sees:
 
   matmul peak        FLOP/s of one device on a square matmul in float32 and bfloat16 (finetune-lora's own MFU
-                     denominator, `finetune.train.metrics.measure_peak_flops`: `x @ x`, output in the input's
-                     dtype, as the model's projections compute);
+                     denominator, `finetune.train.metrics.measure_peak_flops`: `x @ x` on operands in that
+                     dtype, accumulated and returned in float32);
   LoRA train step    tokens/s of finetune-lora's jit step (`finetune.step.train_step.jit_steps`, the CLI's
                      defaults: LoRA r=8 on all seven projections, remat, attention, loss and MLP chunks, AdamW)
                      on a random-weight Llama, median of the timed steps after two warm-up steps, each waited
@@ -310,7 +310,7 @@ def step_section(shape: Shape, args, bytes_limit: float | None, devices: list) -
         notes.append(f"--plan's total exceeds the device's {bytes_limit / 1e9:.1f} GB")
     return shape, {"model": {"config": llama.to_hf(), "sized": shape.sized},
             "matmul_peak_flops": peaks,
-            "matmul": {"size": shape.matmul_size, "op": "x @ x, output in the input's dtype (measure_peak_flops)"},
+            "matmul": {"size": shape.matmul_size, "op": "x @ x, operands in the dtype, float32 result (measure_peak_flops)"},
             "step": {**dm.step_figures(llama, config, times, peaks[args.dtype], len(devices)), "attention": impl,
                      "compile_seconds": compile_seconds, "layers": llama.num_hidden_layers},
             "memory": {"plan_peak_bytes": plan.total, "plan_compiler_bytes": plan.compiler_total, **memory,
@@ -359,7 +359,7 @@ def row(name: str, figure: str, how: str = "") -> str:
 def matmul_rows(report: dict) -> list[str]:
     size = report["matmul"]["size"]
     return [row(f"matmul peak {dtype}", f"{flops / 1e12:.3f} TFLOP/s",
-                f"one device, {size}² `x @ x`, output in {dtype}, best of 5")
+                f"one device, {size}² `x @ x`, {dtype} operands, float32 result, best of 5")
             for dtype, flops in report["matmul_peak_flops"].items()]
 
 

@@ -97,6 +97,17 @@ def hand_flops_per_token(c: dict, seq_len: int) -> float:
     return 4 * n + 12 * c["num_hidden_layers"] * seq_len * q
 
 
+def test_the_bf16_peak_is_timed_on_bf16_operands_accumulated_in_float32():
+    import jax.numpy as jnp
+
+    from finetune.train.metrics import peak_matmul
+
+    x = jnp.ones((16, 16), jnp.bfloat16)
+    dots = [line for line in peak_matmul(jnp.bfloat16).lower(x).as_text().splitlines() if "dot_general" in line]
+    # one dot, of the bf16 operands themselves (no float32 copies), with a float32 result
+    assert len(dots) == 1 and "(tensor<16x16xbf16>, tensor<16x16xbf16>) -> tensor<16x16xf32>" in dots[0], dots
+
+
 def independent_eval_loss(tiny_converted, run_dir: Path, steps: tuple[int, ...], rows, seq_len: int) -> list[float]:
     """Per checkpointed step of the run: the mean completion-token cross-entropy of prompt/completion `rows`,
     each alone in a right-padded row, with that step's LoRA on the converted model; float64 log-softmax of

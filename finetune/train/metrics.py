@@ -32,10 +32,18 @@ def flops_per_token(config: LlamaConfig, seq_len: int, reference_forward: bool =
     return 4.0 * n + 12.0 * attention + (forward if reference_forward else 0.0)
 
 
+def peak_matmul(dtype):
+    """The jitted matmul `measure_peak_flops` times: operands in `dtype`, accumulated and returned in float32,
+    the form every backend's fast low-precision path takes (XLA:CPU runs a bf16 dot with a bf16 result as a
+    float32 one, at half the speed)."""
+    return jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
+
+
 def measure_peak_flops(dtype, size: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of one device on a square matmul in `dtype`: the denominator of the MFU estimate."""
+    """FLOP/s of one device on a square matmul with operands in `dtype` (`peak_matmul`): the denominator of the
+    MFU estimate of a step computing in `dtype`."""
     a = jnp.ones((size, size), dtype)
-    matmul = jax.jit(lambda x: x @ x)
+    matmul = peak_matmul(dtype)
     matmul(a).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
