@@ -52,6 +52,19 @@ def hashes(directory: Path) -> dict[str, str]:
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
+def stopped(pid: int, timeout: float = 30.0) -> None:
+    """Wait until every thread of process `pid` is stopped (SIGSTOP is delivered to each thread as it next leaves
+    the kernel: until then one may still finish a write)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                  for task in Path(f"/proc/{pid}/task").iterdir()]
+        if all(state in "tT" for state in states):
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} did not stop within {timeout} s")
+
+
 def error_lines(capsys) -> list[str]:
     return stderr_lines(capsys.readouterr().err)
 
@@ -322,6 +335,7 @@ def test_a_second_process_is_refused_while_a_run_holds_the_directory(tmp_path, t
                 (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
             time.sleep(0.2)
         holder.send_signal(signal.SIGSTOP)
+        stopped(holder.pid)
         before = hashes(out)
         assert (out / LOCK_FILE).is_file()
         holder_line = rf"pid {holder.pid} on {re.escape(socket.gethostname())}, since [-\d:T+]+"
