@@ -40,8 +40,16 @@ from train import CONFIG, RANK, TARGETS  # noqa: E402
 PAIRS, SEQ = 8, 256  # comparison 1 and 3: 8 pairs = 16 rows of 256
 SHORT_PAIRS, SHORT_SEQ = 8, 1024  # comparison 2
 _ROWS = re.compile(r"([\d,]+) (?:packed|padded) rows of (\d+) per step")
-_PEAK = "import jax.numpy as jnp; from finetune.train.metrics import measure_peak_flops; " \
-        "print(measure_peak_flops(jnp.float32, 2048, 10))"
+# A child process (this one imports no jax): the float32 peak and the model FLOPs per token of SFT and DPO.
+_FIGURES = """
+import json, sys
+import jax.numpy as jnp
+from finetune.train.metrics import flops_per_token, measure_peak_flops
+from jaxmodel.config import LlamaConfig
+config, seq = LlamaConfig(**json.loads(sys.argv[1])), int(sys.argv[2])
+print(json.dumps([measure_peak_flops(jnp.float32, 2048, 10), flops_per_token(config, seq),
+                  flops_per_token(config, seq, reference_forward=True)]))
+"""
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -114,8 +122,9 @@ def main() -> None:
     args = build_parser().parse_args()
     workdir = Path(args.workdir)
     model = build_model(workdir, {**CONFIG, "rms_norm_eps": 1e-5})
-    peak = float(subprocess.run([sys.executable, "-c", _PEAK], capture_output=True, text=True,
-                                check=True).stdout.split()[-1])
+    peak, sft_flops, dpo_flops = json.loads(subprocess.run(
+        [sys.executable, "-c", _FIGURES, json.dumps({**CONFIG, "rms_norm_eps": 1e-5}), str(SEQ)],
+        capture_output=True, text=True, check=True).stdout.splitlines()[-1])
     # 1 and 3: pairs whose sequences fill about 3/4 of 256 (prompt 100 + reply 90 words)
     pairs = write_pairs(workdir / "pairs-256.jsonl", 64, 100, 90, seed=0)
     sft = write_sft_of(pairs, workdir / "sft-of-pairs-256.jsonl")
@@ -137,20 +146,13 @@ def main() -> None:
                 results.setdefault(name, []).append(result)
                 print(f"round {r + 1} {name}: {spread(result['seconds'])} s a step, {result['rows']} rows, "
                       f"peak RSS {result['peak_rss'] / GB:.2f} GB", flush=True)
-    report(results, peak, args)
+    report(results, peak, dpo_flops / sft_flops, args)
 
 
-def report(results: dict[str, list[dict]], peak: float, args) -> None:
+def report(results: dict[str, list[dict]], peak: float, flop_ratio: float, args) -> None:
     def pooled(name: str, key: str) -> list[float]:
         return [v for r in results[name] for v in r[key]]
 
-    config = {**CONFIG}
-    q = config["num_attention_heads"] * config["head_dim"]
-    n = (config["num_hidden_layers"] * config["hidden_size"] * (2 * q + 2 * config["num_key_value_heads"]
-                                                                 * config["head_dim"] + 3 * config["intermediate_size"])
-         + config["hidden_size"] * config["vocab_size"])
-    attention = config["num_hidden_layers"] * SEQ * q
-    flop_ratio = (6 * n + 16 * attention) / (4 * n + 12 * attention)
     sft, dpo = median(pooled("sft", "seconds")), median(pooled("dpo", "seconds"))
     print(f"\nCPU: {cpu_description()}; float32 matmul peak {peak / 1e9:.0f} GFLOP/s (measured in this run); "
           f"{args.rounds} rounds x steps 3..{args.steps}")

@@ -120,19 +120,21 @@ def held_out_questions() -> list[str]:
             + ["What is the capital of France?", "How do I boil an egg?", "Name three colours."])
 
 
-def train_and_export(converted: Path, work: Path, *extra: str) -> Path:
-    """finetune-lora on the chat task (float32, 8 steps, `extra` options) and export-peft; the adapter directory."""
+def train_and_export(converted: Path, work: Path, *extra: str, steps: int = 8, batch_size: int = 8,
+                     lr: str = "3e-3") -> tuple[Path, list[str]]:
+    """finetune-lora on the chat task (float32, LoRA r=8 unless `extra` says otherwise) and export-peft;
+    (the adapter directory, export-peft's warning lines)."""
     data = work / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(TRAIN_TOPICS)))
     run, adapter = work / "run", work / "adapter"
     for argv in (["finetune.cli", "--model", str(converted), "--data", str(data), "--out", str(run),
-                  "--mesh", "dp=1,fsdp=1,mp=1", "--steps", "8", "--batch-size", "8", "--seq-len", "64",
-                  "--lr", "3e-3", "--rank", "8", "--dtype", "float32", "--no-progress", *extra],
+                  "--mesh", "dp=1,fsdp=1,mp=1", "--steps", str(steps), "--batch-size", str(batch_size),
+                  "--seq-len", "64", "--lr", lr, "--rank", "8", "--dtype", "float32", "--no-progress", *extra],
                  ["export.cli", "--run", str(run), "--out", str(adapter)]):
         done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             raise RuntimeError(f"{argv[0]} failed:\n{done.stderr[-3000:]}")
-    return adapter
+    return adapter, [line for line in done.stderr.splitlines() if line.startswith("export-peft: warning: ")]
 
 
 def peft_greedy_answers(adapter: Path, questions: list[str], new_tokens: int) -> tuple[list[str], list[str]]:

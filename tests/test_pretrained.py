@@ -39,7 +39,8 @@ def test_converted_model_equals_transformers(smollm2_checkpoint, smollm2_convert
 
 @pytest.mark.slow
 def test_a_short_lora_run_changes_its_greedy_answers(smollm2_checkpoint, smollm2_converted, tmp_path):
-    adapter = pretrained.train_and_export(smollm2_converted, tmp_path)
+    adapter, warnings = pretrained.train_and_export(smollm2_converted, tmp_path)
+    assert warnings == []
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(smollm2_checkpoint.resolve())
     questions = [f"Tell me about {t}." for t in pretrained.HELD_OUT_TOPICS[:6]] + ["How do I boil an egg?"]

@@ -20,6 +20,8 @@ from finetune.run.files import BASE_SOURCE
 from jaxmodel.formats.checkpoint import MANIFEST, CheckpointError, read_manifest, verify_checkpoint
 
 IDS = np.random.default_rng(7).integers(6, 512, (2, 13))
+
+
 def train(model: Path, out: Path) -> Path:
     from finetune.train.loop import run_training
 
