@@ -6,7 +6,9 @@ all seven projections, one device), rounds alternating which side runs first.
    unpacked are 2B rows; SFT trains the same 2B sequences (prompt + chosen, prompt + rejected) as 2B unpacked
    prompt-completion rows. Model FLOPs per token are 4N + 12·L·T·H for SFT and 6N + 16·L·T·H for DPO (the
    reference's forward, 2N + 4·L·T·H, added; finetune/train/metrics.py), a ratio of about 1.5: the DPO step
-   should cost that ratio of SFT's.
+   should cost that ratio of SFT's. And `--objective dpo --precompute-reference` (the reference's values computed
+   in one pass before training; a fresh data cache each run, so each round times the pass too): its step runs
+   no reference forward, so it should cost what SFT's does.
 2. Packed pairs against `--no-pack` on short pairs (prompt ~100, replies ~50 tokens) at `--seq-len 1024`:
    pairs per second of DPO steps (`--remat full` on both sides, to bound the unpacked side's memory).
 3. Peak RSS of the DPO run (B pairs) against the SFT run of 2B rows (1.): the reference forward keeps no
@@ -40,6 +42,7 @@ from train import CONFIG, RANK, TARGETS  # noqa: E402
 PAIRS, SEQ = 8, 256  # comparison 1 and 3: 8 pairs = 16 rows of 256
 SHORT_PAIRS, SHORT_SEQ = 8, 1024  # comparison 2
 _ROWS = re.compile(r"([\d,]+) (?:packed|padded) rows of (\d+) per step")
+_PASS = re.compile(r"reference: ([\d,]+) sequences computed in ([\d.]+) s")
 # A child process (this one imports no jax): the float32 peak and the model FLOPs per token of SFT and DPO.
 _FIGURES = """
 import json, sys
@@ -84,10 +87,12 @@ def train_args(model: Path, data: Path, steps: int, batch: int, seq: int, *extra
 
 
 def measured(args: list, workdir: Path, name: str) -> dict:
-    """One run: its steady-state step seconds, rows and tokens a step, peak RSS."""
-    out = workdir / "runs" / name
+    """One run: its steady-state step seconds, rows and tokens a step, peak RSS, and the seconds of a
+    --precompute-reference pass (None without)."""
+    out, cache = workdir / "runs" / name, workdir / "runs" / f"{name}-cache"
     shutil.rmtree(out, ignore_errors=True)
-    run = run_cli([*args, "--out", out])
+    shutil.rmtree(cache, ignore_errors=True)
+    run = run_cli([*args, "--out", out, "--data-cache", cache])
     if not run.ok:
         raise SystemExit(f"finetune-lora failed (exit {run.returncode}): {run.error_lines()}")
     config = json.loads((out / "run_config.json").read_text())
@@ -97,7 +102,9 @@ def measured(args: list, workdir: Path, name: str) -> dict:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     records = sorted((r for r in records if "tokens_per_s" in r), key=lambda r: r["step"])
     shutil.rmtree(out, ignore_errors=True)
-    return {"seconds": [tokens / r["tokens_per_s"] for r in records[2:]], "mfu": [r["mfu"] for r in records[2:]],
+    shutil.rmtree(cache, ignore_errors=True)
+    reference_pass = _PASS.search(run.stderr)
+    return {"pass_seconds": float(reference_pass.group(2)) if reference_pass else None, "seconds": [tokens / r["tokens_per_s"] for r in records[2:]], "mfu": [r["mfu"] for r in records[2:]],
             "rows": rows, "tokens": tokens, "peak_rss": run.peak_rss, "batch": config["batch_size"]}
 
 
@@ -129,7 +136,9 @@ def main() -> None:
     pairs = write_pairs(workdir / "pairs-256.jsonl", 64, 100, 90, seed=0)
     sft = write_sft_of(pairs, workdir / "sft-of-pairs-256.jsonl")
     sides = {"sft": train_args(model, sft, args.steps, 2 * PAIRS, SEQ, "--no-pack"),
-             "dpo": train_args(model, pairs, args.steps, PAIRS, SEQ, "--no-pack", "--objective", "dpo")}
+             "dpo": train_args(model, pairs, args.steps, PAIRS, SEQ, "--no-pack", "--objective", "dpo"),
+             "dpo --precompute-reference": train_args(model, pairs, args.steps, PAIRS, SEQ, "--no-pack", "--objective",
+                                                      "dpo", "--precompute-reference")}
     # 2: short pairs at 1024
     short = write_pairs(workdir / "pairs-short.jsonl", 256, 100, 50, seed=1)
     # --remat full: 16 unpacked rows of 1024 with every activation kept would take ~16 GB of RSS
@@ -164,6 +173,10 @@ def report(results: dict[str, list[dict]], peak: float, flop_ratio: float, args)
               f"{median(pooled(name, 'mfu')):.1%} | {rss:.2f} |")
     print(f"\nDPO / SFT step time over the same {2 * PAIRS} x {SEQ} tokens: {dpo / sft:.3f} "
           f"(model FLOP ratio {flop_ratio:.3f}: {dpo / sft / flop_ratio - 1:+.1%} from it)")
+    once = median(pooled("dpo --precompute-reference", "seconds"))
+    passes = [r["pass_seconds"] for r in results["dpo --precompute-reference"]]
+    print(f"DPO --precompute-reference / SFT step time: {once / sft:.3f} (its pass over the 64 pairs: "
+          f"{median(passes):.1f} s, {min(passes):.1f}-{max(passes):.1f}, once before training)")
     unpacked, packed = median(pooled("dpo --no-pack", "seconds")), median(pooled("dpo --pack", "seconds"))
     print(f"packed / unpacked pairs per second, {SHORT_PAIRS} pairs a step at seq {SHORT_SEQ}: "
           f"{unpacked / packed:.2f}x")

@@ -178,6 +178,11 @@ class TrainConfig:
         "auto", "dpo/ipo only: the reference model: base (the base model with every LoRA branch off), init (the "
                 "--init-adapter as loaded, frozen); auto: init with --init-adapter, else base",
         resume=Refused("the reference the losses are measured against"))
+    precompute_reference: bool = option(
+        False, "dpo/ipo only: compute the reference's log-probability of every pair once, before training, and "
+               "store it with the tokenized data (reused by later runs and resumes on the same data, model, "
+               "adapter and dtypes), so that a step runs no reference forward",
+        resume=Allowed("the same values as the reference computed in the step"))
     # numerics and memory
     dtype: Literal["bfloat16", "float32"] = option("bfloat16", "compute dtype of the forward/backward pass",
                                                    resume=Refused("the numerics of the function being trained"))
@@ -299,10 +304,15 @@ class TrainConfig:
             return "init" if self.init_adapter else "base"
         return self.reference
 
+    @property
+    def reference_forward(self) -> bool:
+        """Whether each step runs the reference model's forward (dpo/ipo without --precompute-reference)."""
+        return self.reference_model() is not None and not self.precompute_reference
+
     def _validate_objective(self) -> None:
         """An option that belongs to another objective is refused rather than silently ignored."""
         owners = {"beta": ("dpo", "ipo", "simpo"), "label_smoothing": ("dpo",), "simpo_gamma": ("simpo",),
-                  "orpo_lambda": ("orpo",), "reference": ("dpo", "ipo")}
+                  "orpo_lambda": ("orpo",), "reference": ("dpo", "ipo"), "precompute_reference": ("dpo", "ipo")}
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
         for name, objectives in owners.items():
             if getattr(self, name) != defaults[name] and self.objective not in objectives:

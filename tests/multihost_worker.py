@@ -1,4 +1,5 @@
-"""One process of the 2-process tests (test_finetune.py; test_preference_paths.py with `dpo`): loss and LoRA
+"""One process of the 2-process tests (test_finetune.py; test_preference_paths.py with `dpo`,
+test_preference_precomputed.py with `dpo-precomputed`): loss and LoRA
 gradients of the first global batch, computed across processes over loopback (gloo), written by process 0."""
 
 import os
@@ -21,7 +22,10 @@ from finetune.train.loop import global_batch  # noqa: E402
 
 def main(model, data, out, port, process_id, mesh="dp=2,fsdp=4,mp=1", objective="sft"):
     # a preference run as tests/test_preference_training.py's `config` makes it
-    preference = {"objective": "dpo", "targets": "q_proj,v_proj", "remat": "none"} if objective == "dpo" else {}
+    preference = {}
+    if objective.startswith("dpo"):
+        preference = {"objective": "dpo", "targets": "q_proj,v_proj", "remat": "none",
+                      "precompute_reference": objective == "dpo-precomputed"}
     config = TrainConfig(model=model, data=data, out=out, mesh=mesh, steps=1, batch_size=8, seq_len=32,
                          dtype="float32", progress=False, coordinator=f"127.0.0.1:{port}", num_processes=2,
                          process_id=int(process_id), **preference).validate()

@@ -226,6 +226,8 @@ def test_an_option_without_a_resume_policy_cannot_be_defined():
     (["--objective", "simpo", "--orpo-lambda", "0.5"], "--orpo-lambda goes with --objective orpo"),
     (["--objective", "simpo", "--reference", "base"], "--reference goes with --objective dpo or --objective ipo"),
     (["--objective", "dpo", "--reference", "init"], "--reference init needs --init-adapter"),
+    (["--objective", "orpo", "--precompute-reference"],
+     "--precompute-reference goes with --objective dpo or --objective ipo, not --objective orpo"),
     (["--objective", "dpo", "--label-smoothing", "0.5"], "--label-smoothing must be in [0, 0.5), got 0.5"),
     (["--objective", "dpo", "--beta", "0"], "--beta must be a finite number > 0, got 0.0"),
     (["--objective", "kto"], "--objective: invalid choice"),

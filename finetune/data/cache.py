@@ -125,7 +125,7 @@ def cached_tokenization(root: str | Path, parts: dict[str, Any], build: Callable
     `directory`) when there is none. DataError naming `root` when it cannot be created or written."""
     root = Path(root)
     entry = root / key_name(parts)
-    with _locked(root, entry.name):
+    with entry_lock(root, entry.name):
         try:
             data = TokenizedData.open(entry)
         except ValueError:  # none yet, or one that is not whole (replaced below)
@@ -178,7 +178,9 @@ def load_tokenized(source, tokenizer, seq_len: int | None, layout: str, *, cache
 
 
 @contextmanager
-def _locked(root: Path, name: str) -> Iterator[None]:
+def entry_lock(root: Path, name: str) -> Iterator[None]:
+    """Exclusive, across processes and hosts sharing `root`: held while entry `name` is built, or while a file is
+    added beside its store (its digest, `finetune.data.reference_logps`)."""
     try:
         root.mkdir(parents=True, exist_ok=True)
         lock = open(root / f"{name}.lock", "a")

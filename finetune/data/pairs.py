@@ -25,6 +25,11 @@ segment_ids, positions: a segment per sequence, numbered from 1 in each row, pos
 across sequences), and `sequence` int32: each token's slot within its micro-batch, 2·(d·P_g + i) for the chosen
 sequence of pair i of group (d, m), + 1 for the rejected; -1 on padding. Evaluation walks the eval pairs once in
 order, the last step filled with empty pairs (no rows' tokens, no slot).
+
+With the reference's log-probabilities precomputed (`with_reference`: one float32 value per example of the store,
+`finetune.data.reference_logps`), the rows also hold `reference_logp` float32: each sequence's value on its first
+trained position, zero elsewhere, so the step's masked sum over a slot (`finetune.step.preference.sequence_sums`)
+gives back exactly that value, wherever the sequence's rows lie.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from finetune.data.rows import DataError
 
 # The arrays of a step's rows, each [rows, seq_len].
 FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions", "sequence")
+REFERENCE_FIELD = "reference_logp"  # with a precomputed reference
 
 
 def check_pair_batch(batch_size: int, grad_accum: int, ways: int) -> int:
@@ -87,6 +93,17 @@ class PairRows:
     ways: int
     rows_per_group: int
     seed: int = 0
+    reference_logps: np.ndarray | None = None  # float32 [examples of the store]: the precomputed reference
+
+    def with_reference(self, values: np.ndarray) -> "PairRows":
+        """These rows with the reference's log-probability of each example of the store (float32 [examples]; a
+        kept pair's two values must be numbers): steps then carry them in `reference_logp`."""
+        values = np.asarray(values, np.float32)
+        if values.shape != (len(self.store.starts) - 1,):
+            raise ValueError(f"reference values for {values.shape} examples, the store has {len(self.store.starts) - 1}")
+        if np.isnan(values[2 * self.pairs]).any() or np.isnan(values[2 * self.pairs + 1]).any():
+            raise ValueError("no reference value for a sequence of a kept pair")
+        return dataclasses.replace(self, reference_logps=values)
 
     @classmethod
     def build(cls, store: TokenStore, pairs: np.ndarray, seq_len: int, *, pack: bool, batch_size: int,
@@ -155,6 +172,19 @@ class PairRows:
 
         return self._take(shard_pairs, lo, hi)
 
+    def eval_examples(self, g: int) -> np.ndarray:
+        """int64 [grad_accum, 2 x pairs per micro-batch]: the example in each sequence slot of each micro-batch of
+        evaluation step `g` (-1: an empty pair's), as `take_eval` lays them out."""
+        A, P, W = self.grad_accum, self.pairs_per_group, self.ways
+        position = g * self.batch_size + np.arange(self.batch_size)  # shard d's pair q at d·(B/W) + q
+        pair = np.where(position < len(self), self.pairs[np.minimum(position, len(self) - 1)], -1)
+        q = np.arange(self.batch_size) % (self.batch_size // W)
+        d, m, i = np.arange(self.batch_size) // (self.batch_size // W), q % A, q // A
+        examples = np.full((A, 2 * W * P), -1, np.int64)
+        for side in (0, 1):
+            examples[m, 2 * (d * P + i) + side] = np.where(pair >= 0, 2 * pair + side, -1)
+        return examples
+
     def _take(self, shard_pairs, lo: int, hi: int | None) -> dict[str, np.ndarray]:
         """The rows `[lo, hi)` of the step whose shard d holds the pairs `shard_pairs(d)` (-1: an empty pair)."""
         total, per_shard_rows = self.rows_per_step, self.rows_per_step // self.ways
@@ -184,7 +214,20 @@ class PairRows:
         segment_ids = out["segment_ids"]
         index = np.where(segment_ids > 0, row_segments[:-1, None] + segment_ids - 1, len(slot))
         out["sequence"] = np.append(slot, -1)[index].astype(np.int32)
+        if self.reference_logps is not None:
+            out[REFERENCE_FIELD] = self._reference_field(index, out["loss_mask"], example)
         return out
+
+    def _reference_field(self, segment: np.ndarray, loss_mask: np.ndarray, example: np.ndarray) -> np.ndarray:
+        """float32 [rows, seq_len]: each sequence's reference value on its first trained position (every sequence
+        of a kept pair has one), zero elsewhere; `segment`: each token's sequence in the step's table (padding:
+        past its end), `example`: each sequence's example."""
+        segment, trained = segment.reshape(-1), loss_mask.reshape(-1) > 0
+        at = np.flatnonzero(trained & (segment < len(example)))
+        sequences, first = np.unique(segment[at], return_index=True)
+        field = np.zeros(segment.shape, np.float32)
+        field[at[first]] = self.reference_logps[example[sequences]]
+        return field.reshape(loss_mask.shape)
 
     def _group(self, group: np.ndarray, first_slot: int) -> tuple[np.ndarray, ...]:
         """(row within the group, offset in the row, example, length, slot) of each sequence of a group of pairs

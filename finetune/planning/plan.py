@@ -27,7 +27,7 @@ from finetune.config import ConfigFileError, TrainConfig
 from finetune.step.memory import per_device_bytes, sharding_table
 from finetune.step.mesh import make_mesh
 from finetune.step.checks import check_batch_split, check_rank, check_seq_len, layer_shapes
-from finetune.step.train_step import (BATCH_KEYS, DTYPES, PAIR_BATCH_KEYS, TrainState, jit_steps, make_optimizer,
+from finetune.step.train_step import (DTYPES, REFERENCE_FIELD, TrainState, batch_keys, jit_steps, make_optimizer,
                                      optimizer_shardings, split_model)
 from finetune.planning.allocator import FRACTION, UsableMemory, fraction_to_fit, usable_memory
 from jaxmodel.config import LlamaConfig
@@ -189,7 +189,7 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
         reference = config.reference_model()
         lines.append(f"objective {config.objective}: {config.batch_size} pairs in {2 * config.batch_size} rows a step "
                      f"(unpacked: the most rows packing ever needs), reference "
-                     f"{'none' if reference is None else reference + ' (in the step, under stop_gradient)'}")
+                     f"{'none' if reference is None else reference + _reference_where(config)}")
     if cpu_16bit:
         # The CPU compiler turns 16-bit matmuls into float32 ones and hoists float32 copies of the weights,
         # so its temporaries for a bf16 step say little about an accelerator. Every temporary of the step
@@ -214,6 +214,12 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
                       lines=lines, frozen_parameters=frozen, quantization=quantization)
 
 
+def _reference_where(config: TrainConfig) -> str:
+    if config.precompute_reference:
+        return " (precomputed before training: no forward in the step)"
+    return " (in the step, under stop_gradient)"
+
+
 def _compile(config: TrainConfig, llama: LlamaConfig, mesh, dtype, param_dtype,
              quantization: Quantization | None = None, lower: bool = True):
     """The run's jit train step, lowered and compiled from abstract, sharded inputs (None unless `lower`), and
@@ -236,11 +242,12 @@ def _compile(config: TrainConfig, llama: LlamaConfig, mesh, dtype, param_dtype,
                            jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated))
         # A preference step is planned at its most rows: two a pair (packing never needs more).
         shape = (2 * config.batch_size if config.preference else config.batch_size, config.seq_len)
-        batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
+        batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k in ("loss_mask", REFERENCE_FIELD) else jnp.int32,
                                          sharding=batch_sharding(mesh, DEFAULT_RULES))
-                 for k in (PAIR_BATCH_KEYS if config.preference else BATCH_KEYS)}
-        # The init reference is a second LoRA state of the adapter's shape, frozen.
-        frozen = (base, lora if config.reference_model() == "init" else None) if config.preference else base
+                 for k in batch_keys(config)}
+        # The init reference is a second LoRA state of the adapter's shape, frozen, unless precomputed.
+        in_step_init = config.reference_forward and config.reference_model() == "init"
+        frozen = (base, lora if in_step_init else None) if config.preference else base
         compiled = None
         if lower:
             train_step, _ = jit_steps(graphdef, config, tx, schedule, state, frozen, mesh, DEFAULT_RULES)

@@ -10,7 +10,8 @@ two sequences may lie in different rows (packing) or on different devices of the
 The reference of DPO/IPO is either the base model (the same frozen weights with every LoRA branch contributing
 exactly zero: the LoRA state replaced by zeros) or the initial adapter (a frozen copy of it). Either runs in the
 same jitted step, under `stop_gradient`: no gradient flows through it, so none of its activations is kept for
-the backward pass, and no base weight is ever copied.
+the backward pass, and no base weight is ever copied. With --precompute-reference it runs once, before training,
+and each batch carries its values instead.
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ class Objective:
     simpo_gamma: float
     orpo_lambda: float
     reference: str | None  # "base", "init", or None (simpo, orpo)
+    precomputed: bool = False  # the reference's values come in the batch (--precompute-reference)
 
     @classmethod
     def of(cls, config: TrainConfig) -> "Objective":
         return cls(config.objective, config.beta, config.label_smoothing, config.simpo_gamma, config.orpo_lambda,
-                   config.reference_model())
+                   config.reference_model(), config.precompute_reference)
 
     def metric_names(self) -> tuple[str, ...]:
         """The per-step metrics this objective reports besides `loss` (means over the batch's pairs)."""

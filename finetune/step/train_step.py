@@ -21,6 +21,15 @@ from jaxmodel.sharding import Rules, batch_sharding
 
 BATCH_KEYS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
 PAIR_BATCH_KEYS = BATCH_KEYS + ("sequence",)
+REFERENCE_FIELD = "reference_logp"  # as finetune.data.pairs lays it out (data/ imports no step/)
+
+
+def batch_keys(config: TrainConfig) -> tuple[str, ...]:
+    """The arrays of a step's batch: a pair batch's carry each token's sequence slot, and with
+    --precompute-reference the reference's values (`finetune.data.pairs.REFERENCE_FIELD`, float32)."""
+    if not config.preference:
+        return BATCH_KEYS
+    return PAIR_BATCH_KEYS + ((REFERENCE_FIELD,) if config.precompute_reference else ())
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
@@ -128,17 +137,38 @@ def micro_batches(batch: dict[str, jax.Array], grad_accum: int) -> dict[str, jax
 def preference_sums(graphdef, lora: nnx.State, base: nnx.State, reference: nnx.State | None, micro,
                     objective: Objective, slots: int, dropout_key=None, loss_chunk: int = 0):
     """(sum of the pair losses, (pairs, {metric: sum})) of one micro-batch of pair rows with `slots` sequence
-    slots. The reference (DPO/IPO) runs on the same base under `stop_gradient`: `reference` is the frozen
-    initial adapter, or None for the base model itself (a LoRA state of zeros adds exactly nothing)."""
+    slots. The reference (DPO/IPO) comes precomputed in the batch (`objective.precomputed`), or runs on the same
+    base under `stop_gradient` (`reference_sums`)."""
     logp_bt, mask_bt, slots_bt = token_logps(nnx.merge(graphdef, base, lora), micro, dropout_key, loss_chunk)
     logp, count = sequence_sums(logp_bt, mask_bt, slots_bt, slots)
     ref_logp = None
-    if objective.reference is not None:
-        off = jax.tree.map(jnp.zeros_like, lora) if reference is None else reference
-        ref_bt, _, _ = token_logps(nnx.merge(graphdef, base, jax.lax.stop_gradient(off)), micro, None, loss_chunk)
-        ref_logp, _ = sequence_sums(jax.lax.stop_gradient(ref_bt), mask_bt, slots_bt, slots)
+    if objective.reference is not None and objective.precomputed:
+        # each sequence's value sits on its first trained position: its masked sum is that value, exactly
+        ref_logp, _ = sequence_sums(micro[REFERENCE_FIELD], micro["loss_mask"], micro["sequence"], slots)
+    elif objective.reference is not None:
+        ref_logp = reference_sums(graphdef, lora, base, reference, micro, slots, loss_chunk)
     loss_sum, pairs, metrics = pair_losses(objective, logp, count, ref_logp)
     return loss_sum, (pairs, {"tokens": jnp.sum(count), **metrics})
+
+
+def reference_sums(graphdef, lora: nnx.State, base: nnx.State, reference: nnx.State | None, micro, slots: int,
+                   loss_chunk: int = 0) -> jax.Array:
+    """float32 [slots]: the reference's log-probability of each sequence slot of a micro-batch, under
+    `stop_gradient`. `reference` is the frozen initial adapter, or None for the base model itself (a LoRA state
+    of zeros, shaped like `lora`, adds exactly nothing)."""
+    off = jax.tree.map(jnp.zeros_like, lora) if reference is None else reference
+    ref_bt, mask_bt, slots_bt = token_logps(nnx.merge(graphdef, base, jax.lax.stop_gradient(off)), micro, None,
+                                            loss_chunk)
+    return sequence_sums(jax.lax.stop_gradient(ref_bt), mask_bt, slots_bt, slots)[0]
+
+
+def reference_batch_sums(graphdef, lora, base, reference, batch, pairs: int, grad_accum: int,
+                         loss_chunk: int = 0) -> jax.Array:
+    """float32 [grad_accum, slots]: `reference_sums` of each micro-batch of a batch of `pairs` pair slots (the
+    pass of --precompute-reference)."""
+    slots = 2 * pairs // grad_accum
+    return jax.lax.map(lambda mb: reference_sums(graphdef, lora, base, reference, mb, slots, loss_chunk),
+                       micro_batches(batch, grad_accum))
 
 
 def preference_loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, reference: nnx.State | None, batch,

@@ -20,6 +20,7 @@ from finetune.step.checks import check_batch_split, check_rank, check_seq_len
 from finetune.step.memory import sharding_table
 from finetune.step.mesh import initialize_distributed, make_mesh
 from finetune.step.train_step import DTYPES, TrainState, jit_steps, make_optimizer, optimizer_shardings, split_model
+from finetune.train.reference_pass import with_precomputed_reference
 from jaxmodel.config import LlamaConfig
 from jaxmodel.formats.checkpoint import read_manifest
 from jaxmodel.formats.peft_adapter import load_peft_adapter, read_adapter
@@ -115,6 +116,10 @@ def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dic
     if config.show_sharding and jax.process_index() == 0:
         print("\n".join(sharding_table(base, lora)))
         jax.debug.visualize_array_sharding(model.embed_tokens.weight[...])
+    if config.precompute_reference:  # computed once here; the steps then take its values from the batches
+        train_rows, eval_rows = with_precomputed_reference(config, run_data, train_rows, eval_rows, graphdef, lora,
+                                                           base, reference, mesh, batch_sharding(mesh, rules))
+        reference = None
     frozen = (base, reference) if config.preference else base
     train_step, eval_step = jit_steps(graphdef, config, tx, schedule, state, frozen, mesh, rules)
     return Run(config=config, mesh=mesh, llama=llama, model=model, graphdef=graphdef, base=base, state=state,

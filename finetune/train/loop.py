@@ -165,7 +165,7 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
     stop = StopOnSigterm().install()
 
     train_rows, batch_sharding = run.train_rows, run.batch_sharding
-    flops = flops_per_token(run.llama, config.seq_len, reference_forward=config.reference_model() is not None)
+    flops = flops_per_token(run.llama, config.seq_len, reference_forward=config.reference_forward)
     peak = measure_peak_flops(DTYPES[config.dtype]) * mesh.devices.size  # the mesh may leave devices unused
     memory_devices = mesh.local_devices
     started = time.perf_counter()
