@@ -54,6 +54,8 @@ DPO_ROWS = {
     "405b-dpo-fsdp8-16x2048-full": (L405, FSDP8, 16, 2048, [*DPO, "--remat", "full"]),
     "405b-dpo-fsdp8-8x4096-full": (L405, FSDP8, 8, 4096, [*DPO, "--remat", "full"]),
     "405b-dpo-fsdp8-8x8192-full": (L405, FSDP8, 8, 8192, [*DPO, "--remat", "full"]),
+    "405b-dpo-fsdp8-8x4096-full-precomputed": (L405, FSDP8, 8, 4096,
+                                               [*DPO, "--remat", "full", "--precompute-reference"]),
 }
 # The --fit examples: 405B, 16 x 8192 on the node; DPO, 8 pairs x 8192.
 FIT = (L405, FSDP8, 16, 8192, [])
