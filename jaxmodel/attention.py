@@ -19,6 +19,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxmodel.matmul import einsum_acc32, saved_as_dot
+
 ATTENTION_IMPLS = ("xla", "blockwise")
 
 # Query blocks of the plain path (see xla_attention), used from CAUSAL_BLOCK_MIN positions per block on:
@@ -116,11 +118,13 @@ def _attend(q_bkqh, k_bksh, v_bksh, mask_bts, r: int, dtype):
     """Softmax attention of query rows `(t, r)` over keys `s`, float32 scores and softmax."""
     b, k, q, h = q_bkqh.shape
     t, s = mask_bts.shape[1:]
-    scores_bkqs = jnp.einsum("bkqh,bksh->bkqs", q_bkqh, k_bksh, preferred_element_type=jnp.float32) * (h ** -0.5)
+    # Both matmuls take operands of the compute dtype and accumulate in float32 (jaxmodel.matmul), their
+    # gradients too; the scores stay float32, the output is rounded to the compute dtype.
+    scores_bkqs = saved_as_dot(einsum_acc32("bkqh,bksh->bkqs", q_bkqh, k_bksh), batched=True) * (h ** -0.5)
     mask_bkqs = jnp.broadcast_to(mask_bts[:, None, :, None, :], (b, k, t, r, s)).reshape(b, k, q, s)
     scores_bkqs = jnp.where(mask_bkqs, scores_bkqs, jnp.finfo(jnp.float32).min)
     probs_bkqs = jax.nn.softmax(scores_bkqs, axis=-1).astype(dtype)
-    return jnp.einsum("bkqs,bksh->bkqh", probs_bkqs, v_bksh)
+    return saved_as_dot(einsum_acc32("bkqs,bksh->bkqh", probs_bkqs, v_bksh).astype(dtype), batched=True)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmodel.matmul import einsum_acc32, saved_as_dot
 from jaxmodel.quantization import Quantization, dequantize
 from jaxmodel.sharding import DEFAULT_RULES, Rules, constrain
 
@@ -88,10 +89,12 @@ class Linear(nnx.Module):
             y_no = _matmul(x_ni, self.weight[...].astype(self.dtype))
         else:
             y_no = _dequantized_matmul(x_ni, self.codes[...], self.scales[...], self.quantization, self.dtype)
+        # y is float32 (jaxmodel.matmul): the bias and the adapter are added to it and the sum rounded once.
         if self.bias is not None:
-            y_no = y_no + self.bias[...].astype(self.dtype)
+            y_no = y_no + self.bias[...].astype(jnp.float32)
         if self.lora_a is not None:
-            y_no = (y_no.astype(jnp.float32) + self.lora_delta(x_ni, dropout_key)).astype(self.dtype)
+            y_no = y_no + self.lora_delta(x_ni, dropout_key)
+        y_no = saved_as_dot(y_no.astype(self.dtype))
         return y_no.reshape(*lead, y_no.shape[-1])
 
     def lora_delta(self, x_ni: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
@@ -106,7 +109,9 @@ class Linear(nnx.Module):
 
 
 def _matmul(x_ni: jax.Array, w_oi: jax.Array) -> jax.Array:
-    return jax.lax.dot_general(x_ni, w_oi, (((1,), (1,)), ((), ())))
+    """`x @ w.T` `[n, out]`, accumulated and returned in float32: the form of a bf16 matmul that XLA:CPU runs
+    in bf16 (`jaxmodel.matmul`)."""
+    return einsum_acc32("ni,oi->no", x_ni, w_oi)
 
 
 # Nothing inside is saved for the backward pass, which dequantizes again: saved, the dequantized weight of

@@ -18,6 +18,7 @@ from jaxmodel.attention import ATTENTION_IMPLS, attention
 from jaxmodel.context_parallel import context_parallel_attention, cp_order, cp_size
 from jaxmodel.config import LlamaConfig
 from jaxmodel.layers import Embed, Linear, QuantizedParam, RMSNorm
+from jaxmodel.matmul import DOT_POLICIES, einsum_acc32, remat_name
 from jaxmodel.quantization import Quantization, quantize
 from jaxmodel.rope import apply_rope, cos_sin, inv_freq
 from jaxmodel.sharding import DEFAULT_RULES, Rules, constrain
@@ -25,8 +26,9 @@ from jaxmodel.sharding import DEFAULT_RULES, Rules, constrain
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # the outputs of jaxmodel.matmul's contractions (custom VJPs, no dot_general to the plain policies) too
+    "dots": DOT_POLICIES["dots"],
+    "dots_no_batch": DOT_POLICIES["dots_no_batch"],
     # keep the attention projections (q, k, v, attention output, o_proj) and nothing of attention's
     # internals or the MLP: linear in the sequence whatever the attention path
     "projections": jax.checkpoint_policies.save_only_these_names("projection"),
@@ -74,10 +76,10 @@ class Attention(nnx.Module):
             k_btkh = jax.lax.dynamic_update_slice(kv[0], k_btkh.astype(kv[0].dtype), (0, cache_index, 0, 0))
             v_btkh = jax.lax.dynamic_update_slice(kv[1], v_btkh.astype(kv[1].dtype), (0, cache_index, 0, 0))
             kv = (k_btkh, v_btkh)
-        q_btnh, k_btkh, v_btkh = (checkpoint_name(x, "projection") for x in (q_btnh, k_btkh, v_btkh))
+        q_btnh, k_btkh, v_btkh = (remat_name(x, "projection") for x in (q_btnh, k_btkh, v_btkh))
         attend = context_parallel_attention if "segment_ids_bt" in mask else attention
-        out_btnh = checkpoint_name(attend(q_btnh, k_btkh, v_btkh, dtype=self.dtype, **mask), "projection")
-        return checkpoint_name(self.o_proj(out_btnh.reshape(b, t, n * h), keys[3]), "projection"), kv
+        out_btnh = remat_name(attend(q_btnh, k_btkh, v_btkh, dtype=self.dtype, **mask), "projection")
+        return remat_name(self.o_proj(out_btnh.reshape(b, t, n * h), keys[3]), "projection"), kv
 
 
 class MLP(nnx.Module):
@@ -213,7 +215,7 @@ class LlamaForCausalLM(nnx.Module):
         its LoRA adapter when `lm_head` has one (without dropout: the loss may run the head in chunks)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         w_vd = head.weight[...].astype(self.dtype)
-        logits = jnp.einsum("...d,vd->...v", h_btd.astype(self.dtype), w_vd, preferred_element_type=jnp.float32)
+        logits = einsum_acc32("...d,vd->...v", h_btd.astype(self.dtype), w_vd)
         if self.lm_head is not None and self.lm_head.lora_a is not None:
             *lead, d = h_btd.shape
             logits = logits + self.lm_head.lora_delta(h_btd.reshape(-1, d)).reshape(*lead, -1)

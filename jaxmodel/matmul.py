@@ -1,0 +1,123 @@
+"""Contractions accumulated and returned in float32, whose backward pass keeps its matmuls on operands of
+the forward's dtype; and the names under which the remat policies keep their outputs.
+
+Why: XLA:CPU's `float-normalization-bf16` pass rewrites a bf16 x bf16 -> bf16 dot into an f32 x f32 dot on
+converted operands; the one bf16 dot it keeps, and hands to YNNPACK's bf16 kernels, has bf16 operands and a
+float32 result ([2048, 512] x [512, 1536] on a 2-core Zen 4: f32 30.4 ms, bf16 -> bf16 31.9 ms, bf16 -> f32
+15.4 ms). JAX's own transpose of such a dot contracts the float32 cotangent with a bf16 operand, a mixed dot
+that runs in float32 again, so `einsum_acc32` has its own VJP that rounds the cotangent to the operands'
+dtype first. On GPUs and TPUs a bf16 matmul accumulating in float32 is what the matrix units do anyway, so the
+same code is right on every backend; in float32 it is the plain float32 contraction and its gradients.
+
+Under `jax.checkpoint` a custom VJP is opaque: the dot policies (`checkpoint_dots`, ...) see no `dot_general`
+and would recompute every projection in the backward pass. Callers therefore mark the values those policies
+should keep with `saved_as_dot` (after rounding to the compute dtype, so bf16 activations are kept in 16 bits),
+and `DOT_POLICIES` are the dot policies that keep them too. `remat_name` saves 16-bit values as integers, which
+the layer scan stacks in place on XLA:CPU.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+# checkpoint_name tags of contraction outputs: without batch dimensions (projections) and with them (attention)
+DOT = "dot"
+BATCHED_DOT = "batched_dot"
+
+DOT_POLICIES = {
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots, jax.checkpoint_policies.save_only_these_names(DOT, BATCHED_DOT)),
+    "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims, jax.checkpoint_policies.save_only_these_names(DOT)),
+}
+
+
+def saved_as_dot(x: jax.Array, *, batched: bool = False) -> jax.Array:
+    """`x`, a value computed by `einsum_acc32` (rounded, maybe with a bias added), tagged for DOT_POLICIES."""
+    return remat_name(x, BATCHED_DOT if batched else DOT)
+
+
+def remat_name(x: jax.Array, name: str) -> jax.Array:
+    """`checkpoint_name(x, name)`, with a 16-bit float `x` saved as the integers of its bits.
+
+    Why: a value the layer scan saves is written into a `[layers, ...]` buffer by a dynamic-update-slice,
+    which XLA:CPU's float normalization runs in float32 for a bf16 buffer: the whole buffer converted to
+    float32 and back at every layer. An integer buffer is written in place."""
+    if jnp.dtype(x.dtype).itemsize != 2:
+        return checkpoint_name(x, name)
+    return _saved_as_bits(x, name)
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _saved_as_bits(x: jax.Array, name: str) -> jax.Array:
+    return _through_bits(x, name)
+
+
+@_saved_as_bits.defjvp
+def _saved_as_bits_jvp(name: str, primals, tangents):
+    # the identity, whose tangent the integer detour would otherwise lose
+    return _through_bits(primals[0], name), tangents[0]
+
+
+def _through_bits(x: jax.Array, name: str) -> jax.Array:
+    bits = checkpoint_name(jax.lax.bitcast_convert_type(x, jnp.uint16), name)
+    return jax.lax.bitcast_convert_type(bits, x.dtype)
+
+
+def einsum_acc32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`jnp.einsum(spec, a, b)` of two operands, accumulated and returned in float32.
+
+    Every axis of an operand must appear in the other operand or in the output (so that each gradient is a
+    contraction too); `...` stands for the same leading axes wherever it appears."""
+    spec = _explicit(spec, a.ndim, b.ndim)
+    _operand_axes(spec)  # checked here, where the caller is, rather than in the backward pass
+    return _einsum_acc32(spec, a, b)
+
+
+def _explicit(spec: str, a_ndim: int, b_ndim: int) -> str:
+    """`spec` with `...` replaced by letters it does not use, one per axis it stands for."""
+    spec = spec.replace(" ", "")
+    if "..." not in spec:
+        return spec
+    inputs = spec.split("->")[0].split(",")
+    counts = {ndim - len(axes.replace("...", "")) for axes, ndim in zip(inputs, (a_ndim, b_ndim)) if "..." in axes}
+    if len(counts) != 1:
+        raise ValueError(f"einsum_acc32: `...` must stand for as many axes in each operand: {spec!r}")
+    unused = [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in spec]
+    return spec.replace("...", "".join(unused[:counts.pop()]))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _einsum_acc32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _einsum_acc32_fwd(spec: str, a: jax.Array, b: jax.Array):
+    return _einsum_acc32(spec, a, b), (a, b)
+
+
+def _einsum_acc32_bwd(spec: str, residuals, g_out):
+    a, b = residuals
+    a_axes, b_axes, out_axes = _operand_axes(spec)
+    # In the operands' dtype, so that both dots take operands of that dtype (float32: a no-op).
+    g_out = g_out.astype(jnp.promote_types(a.dtype, b.dtype))
+    g_a = jnp.einsum(f"{out_axes},{b_axes}->{a_axes}", g_out, b, preferred_element_type=jnp.float32)
+    g_b = jnp.einsum(f"{out_axes},{a_axes}->{b_axes}", g_out, a, preferred_element_type=jnp.float32)
+    return g_a.astype(a.dtype), g_b.astype(b.dtype)
+
+
+_einsum_acc32.defvjp(_einsum_acc32_fwd, _einsum_acc32_bwd)
+
+
+def _operand_axes(spec: str) -> tuple[str, str, str]:
+    """The axis letters of `a`, `b` and the output of a two-operand `spec` ("ni,oi->no")."""
+    inputs, out_axes = spec.split("->")
+    a_axes, b_axes = inputs.split(",")
+    for own, other in ((a_axes, b_axes), (b_axes, a_axes)):
+        if not set(own) <= set(other) | set(out_axes):
+            raise ValueError(f"einsum_acc32: each axis of an operand must be in the other one or the output: {spec!r}")
+    return a_axes, b_axes, out_axes
