@@ -105,9 +105,12 @@ def xla_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_
     v_bksh = v_bskh.astype(dtype).transpose(0, 2, 1, 3)
     if causal_blocks and t % CAUSAL_BLOCKS == 0 and t // CAUSAL_BLOCKS >= CAUSAL_BLOCK_MIN:
         tb = t // CAUSAL_BLOCKS
+        # One split rather than a slice per block: its gradient is one concatenation of the blocks' query
+        # gradients, where slices' would be each padded to the whole length and added.
+        q_blocks = jnp.split(q_bkqh, CAUSAL_BLOCKS, axis=2)
         out_bkqh = jnp.concatenate([
-            _attend(q_bkqh[:, :, j * tb * r:(j + 1) * tb * r], k_bksh[:, :, :(j + 1) * tb],
-                    v_bksh[:, :, :(j + 1) * tb], mask_bts[:, j * tb:(j + 1) * tb, :(j + 1) * tb], r, dtype)
+            _attend(q_blocks[j], k_bksh[:, :, :(j + 1) * tb], v_bksh[:, :, :(j + 1) * tb],
+                    mask_bts[:, j * tb:(j + 1) * tb, :(j + 1) * tb], r, dtype)
             for j in range(CAUSAL_BLOCKS)], axis=2)
     else:
         out_bkqh = _attend(q_bkqh, k_bksh, v_bksh, mask_bts, r, dtype)

@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmodel.attention import ATTENTION_IMPLS, attention
 from jaxmodel.context_parallel import context_parallel_attention, cp_order, cp_size
 from jaxmodel.config import LlamaConfig
-from jaxmodel.layers import Embed, Linear, QuantizedParam, RMSNorm
+from jaxmodel.layers import Embed, Linear, LoRAParam, QuantizedParam, RMSNorm
 from jaxmodel.matmul import DOT_POLICIES, einsum_acc32, remat_name
 from jaxmodel.quantization import Quantization, quantize
 from jaxmodel.rope import apply_rope, cos_sin, inv_freq
@@ -246,15 +246,21 @@ class LlamaForCausalLM(nnx.Module):
         c = self.config
         cos_bth, sin_bth = cos_sin(positions, inv_freq(c.rope, c.head_dim), self.dtype)
         h_btd = constrain(self.embed_tokens(input_ids, self.rules), ("act_batch", "act_seq", "act_embed"), self.rules)
-        graphdef, layer_state = nnx.split(self.layers)
+        graphdef, lora_state, frozen_state = nnx.split(self.layers, LoRAParam, ...)
+        # The frozen weights cross the scan as the integers of their bits when they are 16-bit floats: XLA:CPU
+        # runs a bf16 dynamic-slice in float32, converting the whole [layers, ...] stack of every weight at each
+        # step. Nothing is differentiated through them (the LoRA state is, and is float32 or passed as is).
+        dtypes = jax.tree.map(lambda x: x.dtype, frozen_state)
+        frozen_bits = jax.tree.map(_as_bits, frozen_state)
 
         act = ("act_batch", "act_seq", "act_embed")
 
         def layer_step(h_btd, xs):
-            state, kv, key = xs
+            (lora, frozen), kv, key = xs
+            frozen = jax.tree.map(_from_bits, frozen, dtypes)
             h_btd = checkpoint_name(h_btd, "layer_input")
-            h_btd, kv = nnx.merge(graphdef, state)(h_btd, cos_bth, sin_bth, mask, kv, cache_index, key,
-                                                   self.mlp_chunk)
+            h_btd, kv = nnx.merge(graphdef, lora, frozen)(h_btd, cos_bth, sin_bth, mask, kv, cache_index, key,
+                                                          self.mlp_chunk)
             return constrain(h_btd, act, self.rules), kv
 
         policy = REMAT_POLICIES[self.remat]
@@ -262,8 +268,19 @@ class LlamaForCausalLM(nnx.Module):
             layer_step = jax.checkpoint(layer_step, policy=policy, prevent_cse=False)
         kv_xs = None if cache is None else (cache.k, cache.v)
         layer_keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_hidden_layers)
-        h_btd, kv_ys = jax.lax.scan(layer_step, h_btd, (layer_state, kv_xs, layer_keys))
+        h_btd, kv_ys = jax.lax.scan(layer_step, h_btd, ((lora_state, frozen_bits), kv_xs, layer_keys))
         return h_btd, (None if cache is None else KVCache(*kv_ys))
+
+
+def _as_bits(x: jax.Array) -> jax.Array:
+    """A 16-bit float array as uint16 bits (a bitcast: no copy); anything else as it is."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2:
+        return jax.lax.bitcast_convert_type(x, jnp.uint16)
+    return x
+
+
+def _from_bits(x: jax.Array, dtype) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
 
 
 def quantize_model(model: LlamaForCausalLM, quantization: Quantization) -> LlamaForCausalLM:

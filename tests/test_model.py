@@ -160,6 +160,21 @@ def test_bf16_compute_with_f32_params_returns_f32_logits():
     assert logits.dtype == jnp.float32 and logits.shape == (1, 5, 64)
 
 
+def test_bf16_weight_stacks_are_never_converted_whole():
+    """The layer scan slices each frozen bf16 weight stack as its bits: XLA:CPU would otherwise run the bf16
+    dynamic-slice in float32 and convert the whole [layers, out, in] stack at every step (the compiled LoRA
+    gradient holds no float32 array of a stack's shape)."""
+    config = dataclasses.replace(CONFIG, num_hidden_layers=3)
+    model = LlamaForCausalLM(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, remat="dots", rngs=nnx.Rngs(0))
+    apply_lora(model, LoraConfig(rank=4, alpha=8, targets=("q_proj", "up_proj")), rngs=nnx.Rngs(1))
+    graphdef, lora, base = nnx.split(model, LoRAParam, ...)
+    ids = jnp.zeros((2, 16), jnp.int32)
+    text = jax.jit(jax.grad(lambda lora: nnx.merge(graphdef, lora, base)(ids).mean())).lower(lora).compile().as_text()
+    stacks = {f"f32[3,{o},{i}]" for o, i in ((32, 32), (16, 32), (32, 32), (48, 32), (32, 48))}
+    assert "bf16[3,48,32]" in text or "u16[3,48,32]" in text  # the stack is there, in 16 bits
+    assert not [s for s in stacks if s in text]
+
+
 @pytest.mark.slow
 def test_causal_query_blocks_keep_the_numbers(monkeypatch):
     """Attention without a cache skips the keys after each query block; logits and gradients must equal
