@@ -88,6 +88,28 @@ def test_a_precomputed_reference_gives_the_in_step_loss_and_gradients_on_every_m
 
 
 @pytest.mark.slow
+def test_the_pairs_held_out_by_eval_fraction_get_their_reference_from_the_same_pass(tmp_path, tiny_converted,
+                                                                                     pairs_file, capfd):
+    from finetune.train.batches import pair_batch
+    from finetune.train.build import setup
+
+    def eval_sums(**kw):
+        run = setup(config(tiny_converted, pairs_file, tmp_path / "run", eval_fraction=0.25,
+                           data_cache=str(tmp_path / "cache"), **kw))
+        with jax.set_mesh(run.mesh):
+            return jax.device_get(run.eval_step(run.state.lora, run.frozen,
+                                                pair_batch(run.eval_rows, run.batch_sharding, 0, True)))
+
+    in_step = eval_sums()
+    capfd.readouterr()
+    precomputed = eval_sums(precompute_reference=True)
+    assert capfd.readouterr().err.count("sequences computed") == 1  # one pass for both parts of the split
+    assert precomputed["pairs"] == in_step["pairs"] == 6
+    for name, value in in_step.items():
+        assert precomputed[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+@pytest.mark.slow
 def test_a_changed_initial_adapter_gets_its_reference_computed_anew(tmp_path, tiny_converted, pairs_file, capfd):
     from finetune.train.build import setup
     from jaxmodel.formats.peft_adapter import save_peft_adapter
