@@ -249,7 +249,7 @@ class LlamaForCausalLM(nnx.Module):
         graphdef, lora_state, frozen_state = nnx.split(self.layers, LoRAParam, ...)
         # The frozen weights cross the scan as the integers of their bits when they are 16-bit floats: XLA:CPU
         # runs a bf16 dynamic-slice in float32, converting the whole [layers, ...] stack of every weight at each
-        # step. Nothing is differentiated through them (the LoRA state is, and is float32 or passed as is).
+        # step. Nothing is differentiated through them; the LoRA state, which is, crosses as it is.
         dtypes = jax.tree.map(lambda x: x.dtype, frozen_state)
         frozen_bits = jax.tree.map(_as_bits, frozen_state)
 

@@ -219,6 +219,7 @@ def test_values_not_stored_whole_are_not_read(tmp_path, key_inputs):
 @pytest.mark.slow
 def test_plan_compiles_the_step_without_the_reference_forward(tmp_path):
     from finetune.planning.plan import _compile, plan
+    from finetune.step.mesh import make_mesh
     from jaxmodel.config import LlamaConfig
 
     hf = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
@@ -229,9 +230,7 @@ def test_plan_compiles_the_step_without_the_reference_forward(tmp_path):
     def planned(**kw):
         cfg = TrainConfig(plan=True, model_config=str(tmp_path / "config.json"), mesh="dp=1,fsdp=1,mp=1",
                           seq_len=32, hbm_gb=1, dtype="float32", **kw).validate()
-        from finetune.step.mesh import make_mesh
-
-        compiled, trees = _compile(cfg, llama, make_mesh(cfg.mesh, jax.devices()[:1]), np.float32, np.float32)
+        compiled, _ = _compile(cfg, llama, make_mesh(cfg.mesh, jax.devices()[:1]), np.float32, np.float32)
         return compiled.cost_analysis()["flops"], cfg
 
     in_step, _ = planned(objective="dpo", batch_size=8)

@@ -71,12 +71,20 @@ def loaded_tokenizer_digest(directory: str | Path, tokenizer) -> str:
     import transformers
 
     digest = hashlib.sha256(f"transformers {transformers.__version__} tokenizers {tokenizers.__version__}\n".encode())
-    for path in sorted(p for p in Path(directory).iterdir() if p.is_file()):
-        content = path.read_bytes()
-        digest.update(f"{path.name} {len(content)}\n".encode())
-        digest.update(content)
+    hash_files(digest, sorted(p for p in Path(directory).iterdir() if p.is_file()))
     digest.update(_settings(tokenizer))
     return f"files:{digest.hexdigest()}"
+
+
+def hash_files(digest, paths) -> None:
+    """Add each file of `paths` to `digest`, in order: a line of its name and size, then its bytes, read
+    HASH_CHUNK_BYTES at a time."""
+    for path in paths:
+        path = Path(path)
+        digest.update(f"{path.name} {path.stat().st_size}\n".encode())
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(HASH_CHUNK_BYTES), b""):
+                digest.update(chunk)
 
 
 def _settings(tokenizer) -> bytes:

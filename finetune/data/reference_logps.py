@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from finetune.config import TrainConfig
-from finetune.data.cache import entry_lock
+from finetune.data.cache import entry_lock, hash_files, key_name
 from finetune.data.rows import DataError
 
 # Raised whenever the values stored for the same key would differ (how they are computed or laid out).
@@ -47,16 +47,12 @@ def _files_digest(directory: Path, names: tuple[str, ...] | None = None) -> str:
     """sha256 of the named files of `directory` (default: every regular file at its top), names and contents."""
     paths = sorted(directory / n for n in names) if names else sorted(p for p in directory.iterdir() if p.is_file())
     digest = hashlib.sha256()
-    for path in paths:
-        digest.update(f"{path.name} {path.stat().st_size}\n".encode())
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 24), b""):
-                digest.update(chunk)
+    hash_files(digest, paths)
     return f"sha256:{digest.hexdigest()}"
 
 
 def _paths(entry: Path, key: dict[str, Any]) -> tuple[Path, Path]:
-    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    name = key_name(key)
     return entry / f"reference-{name}.npy", entry / f"reference-{name}.json"
 
 

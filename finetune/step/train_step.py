@@ -22,6 +22,7 @@ from jaxmodel.sharding import Rules, batch_sharding
 BATCH_KEYS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
 PAIR_BATCH_KEYS = BATCH_KEYS + ("sequence",)
 REFERENCE_FIELD = "reference_logp"  # as finetune.data.pairs lays it out (data/ imports no step/)
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
 def batch_keys(config: TrainConfig) -> tuple[str, ...]:
@@ -30,7 +31,6 @@ def batch_keys(config: TrainConfig) -> tuple[str, ...]:
     if not config.preference:
         return BATCH_KEYS
     return PAIR_BATCH_KEYS + ((REFERENCE_FIELD,) if config.precompute_reference else ())
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
 class TrainState(NamedTuple):
