@@ -437,4 +437,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from finetune.train.host_memory import restart_with_hugepages
+
+    restart_with_hugepages()  # as finetune-lora does on the CPU
     sys.exit(main())

@@ -13,6 +13,10 @@ side in each round, the order alternating between rounds.
 
     python bench/dtypes.py [--rounds 3] [--steps 8] [--workdir /tmp/llama-jax-bench]
 
+`--shape smollm2-135m` takes a pretrained model's shape instead (SmolLM2-135M's: 30 layers, hidden 576, 9 heads
+and 3 kv heads, intermediate 1536, vocab 49,152, tied embeddings), same batch and LoRA; `--dtypes float32` runs
+one dtype only.
+
 Time only on an idle machine: anything running beside it changes the figures several-fold.
 """
 
@@ -31,6 +35,12 @@ from cli_runs import build_model, cpu_description, run_cli, step_seconds, write_
 from train import BATCH, CONFIG, SEQ, cli_args  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
+SHAPES = {
+    "bench": CONFIG,
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                         rope_theta=100000.0, tie_word_embeddings=True),
+}
 
 # A child process: the JAX matmul peaks and the model FLOPs per token.
 _JAX_FIGURES = """
@@ -40,7 +50,7 @@ from finetune.train.metrics import flops_per_token, measure_peak_flops
 from jaxmodel.config import LlamaConfig
 print(json.dumps({"float32": measure_peak_flops(jnp.float32, 2048, 10),
                   "bfloat16": measure_peak_flops(jnp.bfloat16, 2048, 10),
-                  "flops_per_token": flops_per_token(LlamaConfig(**json.loads(sys.argv[1])), int(sys.argv[2]))}))
+                  "flops_per_token": flops_per_token(LlamaConfig.from_hf({"model_type": "llama", **json.loads(sys.argv[1])}), int(sys.argv[2]))}))
 """
 
 # A child process: torch + PEFT's step times in one dtype, and torch's matmul peak in it.
@@ -51,7 +61,7 @@ sys.path.insert(0, sys.argv[1])
 from train import torch_side
 torch.set_num_threads(os.cpu_count() or 1)
 dtype, steps = getattr(torch, sys.argv[2]), int(sys.argv[3])
-step = torch_side(dtype)
+step = torch_side(dtype, json.loads(sys.argv[4]))
 for _ in range(2):
     step()
 times = []
@@ -70,7 +80,12 @@ print(json.dumps({"seconds": times, "peak": 2.0 * 2048**3 / best}))
 """
 
 
-def jax_run(model: Path, data: Path, workdir: Path, dtype: str, steps: int) -> list[float]:
+# finetune-lora as it runs without its huge-page restart (finetune/train/host_memory.py): a malloc setting of
+# the user's own, glibc's default value, leaves malloc as it is
+DEFAULT_MALLOC = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+
+
+def jax_run(model: Path, data: Path, workdir: Path, dtype: str, steps: int, env: dict | None = None) -> list[float]:
     out = workdir / "runs" / f"dtypes-{dtype}"
     shutil.rmtree(out, ignore_errors=True)
     args = cli_args(model, data, out, steps, "dots")
@@ -78,7 +93,7 @@ def jax_run(model: Path, data: Path, workdir: Path, dtype: str, steps: int) -> l
     args[args.index("--remat"):args.index("--remat") + 2] = []  # finetune-lora's default
     if dtype != "float32":
         args += ["--param-dtype", dtype]
-    run = run_cli(args)
+    run = run_cli(args, env)
     if not run.ok:
         raise SystemExit(f"finetune-lora failed (exit {run.returncode}): {run.error_lines()}")
     seconds = step_seconds(out)[1:]  # step_seconds leaves out step 1 already
@@ -86,8 +101,9 @@ def jax_run(model: Path, data: Path, workdir: Path, dtype: str, steps: int) -> l
     return seconds
 
 
-def torch_run(dtype: str, steps: int) -> dict:
-    child = subprocess.run([sys.executable, "-c", _TORCH, str(Path(__file__).resolve().parent), dtype, str(steps)],
+def torch_run(dtype: str, steps: int, config: dict) -> dict:
+    child = subprocess.run([sys.executable, "-c", _TORCH, str(Path(__file__).resolve().parent), dtype, str(steps),
+                            json.dumps(config)],
                            capture_output=True, text=True)
     if child.returncode:
         raise SystemExit(f"torch side failed: {child.stderr[-2000:]}")
@@ -100,16 +116,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every side, the order alternating")
     parser.add_argument("--steps", type=int, default=8, help="steps of each run (JAX: the first two left out)")
     parser.add_argument("--workdir", default="/tmp/llama-jax-bench", help="model, data and runs")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="bench",
+                        help="the model's shape: bench/train.py's (default) or a pretrained model's")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated: float32, bfloat16 (default both)")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="also finetune-lora in float32 with glibc's default malloc (no huge pages)")
     return parser
 
 
 def main() -> None:
     args = build_parser().parse_args()
     workdir = Path(args.workdir)
-    config = {**CONFIG, "rms_norm_eps": 1e-5}
+    config = {**SHAPES[args.shape], "rms_norm_eps": 1e-5}
+    dtypes = [d for d in DTYPES if d in args.dtypes.split(",")]
     model = build_model(workdir, config)
     data = write_text_data(workdir / f"train-{SEQ}.jsonl", BATCH * SEQ * args.steps, seed=0, row_words=SEQ - 2)
-    sides = [("jax", d) for d in DTYPES] + [("torch", d) for d in DTYPES]
+    sides = [("jax", d) for d in dtypes] + [("torch", d) for d in dtypes]
+    if args.default_malloc:
+        sides.insert(1, ("jax, default malloc", "float32"))
     seconds = {side: [] for side in sides}
     peaks = {side: [] for side in sides}
     flops = None
@@ -119,11 +143,12 @@ def main() -> None:
         flops = figures["flops_per_token"]
         for side in sides if r % 2 == 0 else sides[::-1]:
             framework, dtype = side
-            if framework == "jax":
-                times = jax_run(model, data, workdir, dtype, args.steps)
+            if framework.startswith("jax"):
+                env = DEFAULT_MALLOC if side == ("jax, default malloc", "float32") else None
+                times = jax_run(model, data, workdir, dtype, args.steps, env)
                 peaks[side].append(figures[dtype])
             else:
-                result = torch_run(dtype, args.steps - 2)
+                result = torch_run(dtype, args.steps - 2, config)
                 times = result["seconds"]
                 peaks[side].append(result["peak"])
             seconds[side] += times
@@ -133,7 +158,8 @@ def main() -> None:
 
 def report(seconds: dict, peaks: dict, flops: float, args) -> None:
     tokens = BATCH * SEQ
-    print(f"\nCPU: {cpu_description()}; batch {BATCH} x seq {SEQ}, LoRA r=8 on all seven projections; "
+    print(f"\nCPU: {cpu_description()}; shape {args.shape}; batch {BATCH} x seq {SEQ}, LoRA r=8 on all seven "
+          f"projections; "
           f"{args.rounds} rounds; model FLOPs {flops / 1e6:.1f} MFLOP a token")
     print("\n| side | step s: median (min-max, steps) | tokens/s | matmul peak in its dtype | MFU |")
     print("|---|---|---|---|---|")
@@ -141,12 +167,18 @@ def report(seconds: dict, peaks: dict, flops: float, args) -> None:
     for (framework, dtype), times in seconds.items():
         median, peak = statistics.median(times), statistics.median(peaks[(framework, dtype)])
         rate[(framework, dtype)] = tokens / median
-        name = f"finetune-lora --dtype {dtype}" if framework == "jax" else f"torch + PEFT, {dtype}"
+        name = {"jax": f"finetune-lora --dtype {dtype}", "torch": f"torch + PEFT, {dtype}"}.get(
+            framework, f"finetune-lora --dtype {dtype}, {' '.join(f'{k}={v}' for k, v in DEFAULT_MALLOC.items())}")
         print(f"| {name} | {median:.3f} ({min(times):.3f}-{max(times):.3f}, {len(times)}) | {tokens / median:,.0f} | "
               f"{peak / 1e9:.0f} GFLOP/s | {flops * tokens / median / peak:.1%} |")
-    print(f"\nJAX bf16 / JAX float32 tokens/s: {rate[('jax', 'bfloat16')] / rate[('jax', 'float32')]:.2f}x")
-    print(f"JAX bf16 / torch+PEFT bf16: {rate[('jax', 'bfloat16')] / rate[('torch', 'bfloat16')]:.2f}x; "
-          f"JAX float32 / torch+PEFT float32: {rate[('jax', 'float32')] / rate[('torch', 'float32')]:.2f}x")
+    if ("jax", "bfloat16") in rate and ("jax", "float32") in rate:
+        print(f"\nJAX bf16 / JAX float32 tokens/s: {rate[('jax', 'bfloat16')] / rate[('jax', 'float32')]:.2f}x")
+    if ("jax, default malloc", "float32") in rate:
+        print(f"finetune-lora float32 / the same with glibc's default malloc: "
+              f"{rate[('jax', 'float32')] / rate[('jax, default malloc', 'float32')]:.2f}x")
+    for dtype in DTYPES:
+        if ("jax", dtype) in rate and ("torch", dtype) in rate:
+            print(f"JAX {dtype} / torch+PEFT {dtype}: {rate[('jax', dtype)] / rate[('torch', dtype)]:.2f}x")
 
 
 if __name__ == "__main__":

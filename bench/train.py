@@ -79,21 +79,22 @@ def jax_side(layers: int = 8, remat: str = "none"):
     return run_one, compile_seconds
 
 
-def torch_side(dtype=None):
-    """A transformers + PEFT LoRA step (its weights cast to `dtype` first, if given; PEFT keeps the adapters in
-    float32 on a 16-bit base); returns run_one_step."""
+def torch_side(dtype=None, config: dict | None = None):
+    """A transformers + PEFT LoRA step on `config` (default CONFIG; its weights cast to `dtype` first, if given;
+    PEFT keeps the adapters in float32 on a 16-bit base); returns run_one_step."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    config = CONFIG if config is None else config
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG, rms_norm_eps=1e-5, attn_implementation="sdpa"))
+    model = LlamaForCausalLM(LlamaConfig(**{"rms_norm_eps": 1e-5, **config}, attn_implementation="sdpa"))
     if dtype is not None:
         model = model.to(dtype)
     model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS), lora_dropout=0.0))
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
-    ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, config["vocab_size"], (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     inputs, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
     def run_one():
@@ -250,4 +251,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from finetune.train.host_memory import restart_with_hugepages
+
+    restart_with_hugepages()  # as finetune-lora does on the CPU, for both sides of this process
     main()

@@ -18,6 +18,15 @@ DESCRIPTION = """LoRA fine-tuning of a converted Llama 3.x checkpoint on a (dp, 
 Every option can also come from a YAML file (--config FILE.yaml); flags override it."""
 
 
+def console() -> int:
+    """The `finetune-lora` command: `main`, in a process whose malloc uses huge pages when JAX computes on the
+    CPU (the command executes itself again for that: finetune/train/host_memory.py)."""
+    from finetune.train.host_memory import restart_with_hugepages
+
+    restart_with_hugepages()
+    return main()
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(argv, "finetune-lora", DESCRIPTION, validate=False)
@@ -64,4 +73,4 @@ def _simulate_devices_for_plan(mesh: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())
