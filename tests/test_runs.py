@@ -769,7 +769,9 @@ def test_a_full_disk_stops_the_run_with_one_line(small_tmpfs, tiny_converted, da
         tiny_converted, data_file, out, steps="200", checkpoint_every="1", keep_checkpoints="1000")],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr[-3000:]
-    [line] = stderr_lines(result.stderr)
+    lines = stderr_lines(result.stderr)
+    assert len(lines) == 1, result.stderr[-3000:]
+    [line] = lines
     assert re.fullmatch(r"finetune-lora: error: (saving the checkpoint of step \d+ failed: no space left on device "
                         rf"at {re.escape(str(out))}/checkpoints/\d+; stopped after step \d+; newest checkpoint kept: "
                         r"step \d+|cannot write .*: No space left on device; stopped at step \d+)", line), line
