@@ -29,7 +29,7 @@ from finetune.run.reading import current_run_config, load_run, read_resumes, rea
 from finetune.run.errors import RunDirError
 
 # Two adapters and no rematerialisation: the quickest step to compile (what is tested does not depend on it).
-from finetune.run.files import LOCK_FILE
+from finetune.run.files import LOCK_FILE, TENSORBOARD
 from finetune.run.lock import RunLock
 from finetune.run.policy import IMMUTABLE, MUTABLE, NOT_COMPARED
 BASE = {"steps": "4", "batch-size": "8", "seq-len": "32", "dtype": "float32", "lr": "3e-3", "checkpoint-every": "2",
@@ -746,6 +746,36 @@ def test_a_failed_save_stops_the_run_at_once(steps, failing, tmp_path, tiny_conv
         assert [r["step"] for r in metrics(out)] == list(range(1, steps + 1))
         assert load_run(out)[2] == steps
         assert not list((out / "checkpoints").glob("*tmp*"))
+
+
+# FAIL_SAVE, and TensorBoard's event file cannot be flushed when the run closes it (the disk is full)
+FAIL_SAVE_AND_TENSORBOARD = FAIL_SAVE.replace("from finetune.cli import main", """import tensorboardX
+def full_disk_at_close(self):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+tensorboardX.SummaryWriter.close = full_disk_at_close
+from finetune.cli import main""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failing", ["4", "none"])
+def test_tensorboard_failing_at_close_gives_one_line_and_hides_no_other_error(failing, tmp_path, tiny_converted,
+                                                                            data_file):
+    """A full disk found by TensorBoard's last flush: one line naming its directory; when the run is failing
+    already (step 4's checkpoint), that failure's line, not a traceback of the second one."""
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-c", FAIL_SAVE_AND_TENSORBOARD, failing,
+                             *cli_args(tiny_converted, data_file, out, steps="4")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    lines = stderr_lines(result.stderr)
+    assert len(lines) == 1, result.stderr[-3000:]
+    if failing == "4":
+        want = (rf"finetune-lora: error: saving the checkpoint of step 4 failed: no space left on device at "
+                rf"{re.escape(str(out / 'checkpoints' / '4'))}; stopped after step 4; newest checkpoint kept: step 2")
+    else:
+        want = (rf"finetune-lora: error: cannot write {re.escape(str(out / TENSORBOARD))}: No space left on device; "
+                r"stopped at step 4")
+    assert re.fullmatch(want, lines[0]), lines[0]
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from finetune.train.prefetch import Prefetcher
 from finetune.train.metrics import MetricsWriter, flops_per_token, measure_peak_flops, peak_memory_gb
 from finetune.run.directory import RunDir
 from finetune.run.errors import RunDirError
-from finetune.run.files import CHECKPOINTS, METRICS
+from finetune.run.files import CHECKPOINTS, METRICS, TENSORBOARD
 from finetune.train.build import Run, setup, with_adapter_shape
 from finetune.step.train_step import DTYPES, TrainState
 from jaxmodel.errors import UserError
@@ -196,6 +196,7 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
                   else (lambda g: batch_at(train_rows, config, batch_sharding, g)))
     batches = Prefetcher(make_batch, position,
                          position + last_step - start_step, PREFETCH_DEPTH)
+    finished = False  # the step loop and the last save came through: a close's own error is the run's
     try:
         with jax.set_mesh(mesh), batches:
             while started_step < last_step and not stop.requested:
@@ -229,6 +230,7 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
             if run.eval_rows is not None and not config.eval_every and reader.done == config.steps:
                 _write_metrics(metrics, out, reader.done, evaluate(run, state, config))
             checkpoints.close()  # waits for the last save: a run is done when its checkpoint is
+            finished = True
     except CheckpointSaveError as e:
         kept = checkpoints.latest_step()
         raise TrainingError(f"{e}; stopped after step {reader.done}; newest checkpoint kept: "
@@ -239,8 +241,14 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
             checkpoints.close()
         except CheckpointSaveError:
             pass  # raised above already, or the run is failing for another reason being raised
-        metrics.close()
-        stop.restore()
+        try:
+            metrics.close()
+        except OSError as e:  # TensorBoard's last flush, on a full disk: a failing run's own error goes first
+            if finished:
+                raise TrainingError(f"cannot write {out / TENSORBOARD}: {os.strerror(e.errno or 0)}; stopped at "
+                                    f"step {reader.done}") from None
+        finally:
+            stop.restore()
     elapsed = time.perf_counter() - started
     return RunSummary(reader.done - start_step, reader.first_loss, reader.last_loss,
                       reader.tokens_seen / max(elapsed, 1e-9), elapsed, stopped_early=stop.requested,
