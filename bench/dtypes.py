@@ -50,7 +50,8 @@ from finetune.train.metrics import flops_per_token, measure_peak_flops
 from jaxmodel.config import LlamaConfig
 print(json.dumps({"float32": measure_peak_flops(jnp.float32, 2048, 10),
                   "bfloat16": measure_peak_flops(jnp.bfloat16, 2048, 10),
-                  "flops_per_token": flops_per_token(LlamaConfig.from_hf({"model_type": "llama", **json.loads(sys.argv[1])}), int(sys.argv[2]))}))
+                  "flops_per_token": flops_per_token(
+                      LlamaConfig.from_hf({"model_type": "llama", **json.loads(sys.argv[1])}), int(sys.argv[2]))}))
 """
 
 # A child process: torch + PEFT's step times in one dtype, and torch's matmul peak in it.
@@ -83,6 +84,11 @@ print(json.dumps({"seconds": times, "peak": 2.0 * 2048**3 / best}))
 # finetune-lora as it runs without its huge-page restart (finetune/train/host_memory.py): a malloc setting of
 # the user's own, glibc's default value, leaves malloc as it is
 DEFAULT_MALLOC = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+# each side's framework: its name in the table, and the environment its runs get
+NAMES = {"jax": "finetune-lora --dtype {dtype}", "torch": "torch + PEFT, {dtype}",
+         "jax, default malloc": "finetune-lora --dtype {dtype}, "
+                                + " ".join(f"{k}={v}" for k, v in DEFAULT_MALLOC.items())}
+ENVIRONMENTS = {"jax, default malloc": DEFAULT_MALLOC}
 
 
 def jax_run(model: Path, data: Path, workdir: Path, dtype: str, steps: int, env: dict | None = None) -> list[float]:
@@ -143,9 +149,8 @@ def main() -> None:
         flops = figures["flops_per_token"]
         for side in sides if r % 2 == 0 else sides[::-1]:
             framework, dtype = side
-            if framework.startswith("jax"):
-                env = DEFAULT_MALLOC if side == ("jax, default malloc", "float32") else None
-                times = jax_run(model, data, workdir, dtype, args.steps, env)
+            if framework != "torch":
+                times = jax_run(model, data, workdir, dtype, args.steps, ENVIRONMENTS.get(framework))
                 peaks[side].append(figures[dtype])
             else:
                 result = torch_run(dtype, args.steps - 2, config)
@@ -159,16 +164,14 @@ def main() -> None:
 def report(seconds: dict, peaks: dict, flops: float, args) -> None:
     tokens = BATCH * SEQ
     print(f"\nCPU: {cpu_description()}; shape {args.shape}; batch {BATCH} x seq {SEQ}, LoRA r=8 on all seven "
-          f"projections; "
-          f"{args.rounds} rounds; model FLOPs {flops / 1e6:.1f} MFLOP a token")
+          f"projections; {args.rounds} rounds; model FLOPs {flops / 1e6:.1f} MFLOP a token")
     print("\n| side | step s: median (min-max, steps) | tokens/s | matmul peak in its dtype | MFU |")
     print("|---|---|---|---|---|")
     rate = {}
     for (framework, dtype), times in seconds.items():
         median, peak = statistics.median(times), statistics.median(peaks[(framework, dtype)])
         rate[(framework, dtype)] = tokens / median
-        name = {"jax": f"finetune-lora --dtype {dtype}", "torch": f"torch + PEFT, {dtype}"}.get(
-            framework, f"finetune-lora --dtype {dtype}, {' '.join(f'{k}={v}' for k, v in DEFAULT_MALLOC.items())}")
+        name = NAMES[framework].format(dtype=dtype)
         print(f"| {name} | {median:.3f} ({min(times):.3f}-{max(times):.3f}, {len(times)}) | {tokens / median:,.0f} | "
               f"{peak / 1e9:.0f} GFLOP/s | {flops * tokens / median / peak:.1%} |")
     if ("jax", "bfloat16") in rate and ("jax", "float32") in rate:

@@ -245,8 +245,7 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
             metrics.close()
         except OSError as e:  # TensorBoard's last flush, on a full disk: a failing run's own error goes first
             if finished:
-                raise TrainingError(f"cannot write {out / TENSORBOARD}: {os.strerror(e.errno or 0)}; stopped at "
-                                    f"step {reader.done}") from None
+                raise _write_failed(out / TENSORBOARD, e, reader.done) from None
         finally:
             stop.restore()
     elapsed = time.perf_counter() - started
@@ -308,8 +307,12 @@ def _write_metrics(metrics: MetricsWriter, out: Path, step: int, record: dict) -
     try:
         metrics.write(step, record)
     except OSError as e:
-        raise TrainingError(f"cannot write {out / METRICS}: {os.strerror(e.errno or 0)}; stopped at step "
-                            f"{step}") from None
+        raise _write_failed(out / METRICS, e, step) from None
+
+
+def _write_failed(path: Path, error: OSError, step: int) -> TrainingError:
+    """The one line of a run stopped by a metrics file it could not write."""
+    return TrainingError(f"cannot write {path}: {os.strerror(error.errno or 0)}; stopped at step {step}")
 
 
 def evaluate(run: Run, state: TrainState, config: TrainConfig) -> dict[str, float]:
