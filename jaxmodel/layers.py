@@ -104,8 +104,10 @@ class Linear(nnx.Module):
         if dropout_key is not None and self.lora_dropout > 0:
             keep = jax.random.bernoulli(dropout_key, 1.0 - self.lora_dropout, x_lora.shape)
             x_lora = jnp.where(keep, x_lora / (1.0 - self.lora_dropout), 0.0)
-        xa_nr = (x_lora @ self.lora_a[...].astype(jnp.float32)) * self.lora_scale
-        return xa_nr @ self.lora_b[...].astype(jnp.float32)
+        # einsum_acc32 for its gradients' layout on the CPU (jaxmodel.matmul), on float32 operands; `xa` is
+        # kept by the dot remat policies as a plain dot's output would be.
+        xa_nr = saved_as_dot(einsum_acc32("ni,ir->nr", x_lora, self.lora_a[...].astype(jnp.float32)) * self.lora_scale)
+        return einsum_acc32("nr,ro->no", xa_nr, self.lora_b[...].astype(jnp.float32))
 
 
 def _matmul(x_ni: jax.Array, w_oi: jax.Array) -> jax.Array:

@@ -14,6 +14,9 @@ and would recompute every projection in the backward pass. Callers therefore mar
 should keep with `saved_as_dot` (after rounding to the compute dtype, so bf16 activations are kept in 16 bits),
 and `DOT_POLICIES` are the dot policies that keep them too. `remat_name` saves 16-bit values as integers, which
 the layer scan stacks in place on XLA:CPU.
+
+The backward pass's dots are laid out on the CPU so that XLA:CPU runs every one of them with YNNPACK
+(`_minor_contraction`); elsewhere they are the plain einsums.
 """
 
 from __future__ import annotations
@@ -105,9 +108,44 @@ def _einsum_acc32_bwd(spec: str, residuals, g_out):
     a_axes, b_axes, out_axes = _operand_axes(spec)
     # In the operands' dtype, so that both dots take operands of that dtype (float32: a no-op).
     g_out = g_out.astype(jnp.promote_types(a.dtype, b.dtype))
-    g_a = jnp.einsum(f"{out_axes},{b_axes}->{a_axes}", g_out, b, preferred_element_type=jnp.float32)
-    g_b = jnp.einsum(f"{out_axes},{a_axes}->{b_axes}", g_out, a, preferred_element_type=jnp.float32)
+    g_a = _gradient_einsum(f"{out_axes},{b_axes}->{a_axes}", g_out, b)
+    g_b = _gradient_einsum(f"{out_axes},{a_axes}->{b_axes}", g_out, a)
     return g_a.astype(a.dtype), g_b.astype(b.dtype)
+
+
+def _gradient_einsum(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    """`jnp.einsum(spec, x, y)` accumulated in float32, on the CPU with the contracted axes minor in the first
+    operand (`_minor_contraction`); the plain einsum elsewhere."""
+    plain = partial(jnp.einsum, spec, preferred_element_type=jnp.float32)
+    return jax.lax.platform_dependent(x, y, cpu=partial(_minor_contraction, spec), default=plain)
+
+
+def _minor_contraction(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    """`jnp.einsum(spec, x, y)` accumulated in float32, as a dot whose first operand contracts its minor axes.
+
+    Why: a weight's gradient contracts the tokens (or the queries), the major axis of both operands. XLA:CPU
+    hands such a dot to Eigen rather than YNNPACK; Eigen packs both operands and its work runs on the same
+    threads as the YNNPACK matmul issued beside it (bench/train.py's LoRA step in float32 on a 2-core Zen 4:
+    the down projection's input gradient 20.0 ms instead of 15.1, the attention's key and value gradients
+    at half the matmul peak; docs/benchmarks.md has the whole step). Here the smaller operand (a LoRA
+    `[n, r]` factor, a query block) is transposed, behind an optimization barrier so that XLA cannot fold
+    the transpose back into the dot, and the product too when its axes come out in another order."""
+    inputs, out = spec.split("->")
+    x_axes, y_axes = inputs.split(",")
+    contracted = [c for c in x_axes if c in y_axes and c not in out]
+    if not contracted or x_axes.endswith("".join(contracted)):
+        return jnp.einsum(spec, x, y, preferred_element_type=jnp.float32)
+    batch = [c for c in x_axes if c in y_axes and c in out]
+    (l_axes, l), (r_axes, r) = ((x_axes, x), (y_axes, y)) if x.size <= y.size else ((y_axes, y), (x_axes, x))
+    l_free = [c for c in l_axes if c not in batch and c not in contracted]
+    r_free = [c for c in r_axes if c not in batch and c not in contracted]
+    lt_axes = "".join(batch + l_free + contracted)
+    lt = jax.lax.optimization_barrier(jnp.einsum(f"{l_axes}->{lt_axes}", l))
+    product_axes = "".join(batch + l_free + r_free)
+    product = jnp.einsum(f"{lt_axes},{r_axes}->{product_axes}", lt, r, preferred_element_type=jnp.float32)
+    if product_axes == out:
+        return product
+    return jnp.einsum(f"{product_axes}->{out}", jax.lax.optimization_barrier(product))
 
 
 _einsum_acc32.defvjp(_einsum_acc32_fwd, _einsum_acc32_bwd)
