@@ -19,7 +19,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxmodel.matmul import einsum_acc32, saved_as_dot
+from jaxmodel.matmul import einsum_acc32, gradient_einsum, saved_as_dot
 
 ATTENTION_IMPLS = ("xla", "blockwise")
 
@@ -249,11 +249,10 @@ def _flash_backward(q_len: int, residuals, dout_nbkqh):
             q_bkqh, dout_bkqh = q_nbkqh[i], dout_nbkqh[i]
             scores_bkqs = _masked_scores(q_bkqh, k_bksh, q_seg_nbt[i], kv_seg_bs, i, j, q_offset)
             p_bkqs = jnp.exp(scores_bkqs - lse_nbkq[i][..., None])
-            dv_bksh += jnp.einsum("bkqs,bkqh->bksh", p_bkqs.astype(dtype), dout_bkqh,
-                                  preferred_element_type=jnp.float32)
+            dv_bksh += gradient_einsum("bkqs,bkqh->bksh", p_bkqs.astype(dtype), dout_bkqh)
             dp_bkqs = jnp.einsum("bkqh,bksh->bkqs", dout_bkqh, v_bksh, preferred_element_type=jnp.float32)
             ds_bkqs = (p_bkqs * (dp_bkqs - delta_nbkq[i][..., None]) * scale).astype(dtype)
-            dk_bksh += jnp.einsum("bkqs,bkqh->bksh", ds_bkqs, q_bkqh, preferred_element_type=jnp.float32)
+            dk_bksh += gradient_einsum("bkqs,bkqh->bksh", ds_bkqs, q_bkqh)
             dq_bkqh = jnp.einsum("bkqs,bksh->bkqh", ds_bkqs, k_bksh, preferred_element_type=jnp.float32)
             return dq_nbkqh.at[i].add(dq_bkqh), dk_bksh, dv_bksh
 

@@ -108,14 +108,15 @@ def _einsum_acc32_bwd(spec: str, residuals, g_out):
     a_axes, b_axes, out_axes = _operand_axes(spec)
     # In the operands' dtype, so that both dots take operands of that dtype (float32: a no-op).
     g_out = g_out.astype(jnp.promote_types(a.dtype, b.dtype))
-    g_a = _gradient_einsum(f"{out_axes},{b_axes}->{a_axes}", g_out, b)
-    g_b = _gradient_einsum(f"{out_axes},{a_axes}->{b_axes}", g_out, a)
+    g_a = gradient_einsum(f"{out_axes},{b_axes}->{a_axes}", g_out, b)
+    g_b = gradient_einsum(f"{out_axes},{a_axes}->{b_axes}", g_out, a)
     return g_a.astype(a.dtype), g_b.astype(b.dtype)
 
 
-def _gradient_einsum(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
+def gradient_einsum(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
     """`jnp.einsum(spec, x, y)` accumulated in float32, on the CPU with the contracted axes minor in the first
-    operand (`_minor_contraction`); the plain einsum elsewhere."""
+    operand (`_minor_contraction`); the plain einsum elsewhere. For the dots of backward passes, whose weight
+    gradients contract the major axis of both operands."""
     plain = partial(jnp.einsum, spec, preferred_element_type=jnp.float32)
     return jax.lax.platform_dependent(x, y, cpu=partial(_minor_contraction, spec), default=plain)
 

@@ -194,12 +194,14 @@ def _dots_outside_ynnpack(hlo: str) -> tuple[list[str], int]:
     return outside, len(ynnpack)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_every_matmul_of_a_lora_step_on_the_cpu_runs_in_ynnpack(dtype):
+@pytest.mark.parametrize("dtype, attention", [(jnp.float32, "xla"), (jnp.bfloat16, "xla"),
+                                              (jnp.float32, "blockwise")])
+def test_every_matmul_of_a_lora_step_on_the_cpu_runs_in_ynnpack(dtype, attention):
     """The weight gradients (LoRA's A and B, attention's keys and values) contract the tokens or queries, the
     major axis of both operands: as such XLA:CPU gives them to Eigen, which runs beside the YNNPACK matmuls
     on the same threads and slows them (jaxmodel.matmul._minor_contraction)."""
-    model = LlamaForCausalLM(CONFIG, dtype=dtype, param_dtype=dtype, remat="dots", rngs=nnx.Rngs(0))
+    model = LlamaForCausalLM(CONFIG, dtype=dtype, param_dtype=dtype, remat="dots", attention=attention,
+                             rngs=nnx.Rngs(0))
     apply_lora(model, LoraConfig(rank=2, alpha=4.0), rngs=nnx.Rngs(1))
     graphdef, lora, rest = nnx.split(model, LoRAParam, ...)
 
