@@ -137,13 +137,13 @@ def _minor_contraction(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
     if not contracted or x_axes.endswith("".join(contracted)):
         return jnp.einsum(spec, x, y, preferred_element_type=jnp.float32)
     batch = [c for c in x_axes if c in y_axes and c in out]
-    (l_axes, l), (r_axes, r) = ((x_axes, x), (y_axes, y)) if x.size <= y.size else ((y_axes, y), (x_axes, x))
-    l_free = [c for c in l_axes if c not in batch and c not in contracted]
-    r_free = [c for c in r_axes if c not in batch and c not in contracted]
-    lt_axes = "".join(batch + l_free + contracted)
-    lt = jax.lax.optimization_barrier(jnp.einsum(f"{l_axes}->{lt_axes}", l))
-    product_axes = "".join(batch + l_free + r_free)
-    product = jnp.einsum(f"{lt_axes},{r_axes}->{product_axes}", lt, r, preferred_element_type=jnp.float32)
+    (lhs_axes, lhs), (rhs_axes, rhs) = ((x_axes, x), (y_axes, y)) if x.size <= y.size else ((y_axes, y), (x_axes, x))
+    lhs_free = [c for c in lhs_axes if c not in batch and c not in contracted]
+    rhs_free = [c for c in rhs_axes if c not in batch and c not in contracted]
+    lhs_t_axes = "".join(batch + lhs_free + contracted)
+    lhs_t = jax.lax.optimization_barrier(jnp.einsum(f"{lhs_axes}->{lhs_t_axes}", lhs))
+    product_axes = "".join(batch + lhs_free + rhs_free)
+    product = jnp.einsum(f"{lhs_t_axes},{rhs_axes}->{product_axes}", lhs_t, rhs, preferred_element_type=jnp.float32)
     if product_axes == out:
         return product
     return jnp.einsum(f"{product_axes}->{out}", jax.lax.optimization_barrier(product))
