@@ -176,7 +176,7 @@ def report(seconds: dict, peaks: dict, flops: float, args) -> None:
               f"{peak / 1e9:.0f} GFLOP/s | {flops * tokens / median / peak:.1%} |")
     if ("jax", "bfloat16") in rate and ("jax", "float32") in rate:
         print(f"\nJAX bf16 / JAX float32 tokens/s: {rate[('jax', 'bfloat16')] / rate[('jax', 'float32')]:.2f}x")
-    if ("jax, default malloc", "float32") in rate:
+    if ("jax, default malloc", "float32") in rate and ("jax", "float32") in rate:
         print(f"finetune-lora float32 / the same with glibc's default malloc: "
               f"{rate[('jax', 'float32')] / rate[('jax, default malloc', 'float32')]:.2f}x")
     for dtype in DTYPES:

@@ -15,8 +15,8 @@ should keep with `saved_as_dot` (after rounding to the compute dtype, so bf16 ac
 and `DOT_POLICIES` are the dot policies that keep them too. `remat_name` saves 16-bit values as integers, which
 the layer scan stacks in place on XLA:CPU.
 
-The backward pass's dots are laid out on the CPU so that XLA:CPU runs every one of them with YNNPACK
-(`_minor_contraction`); elsewhere they are the plain einsums.
+The backward pass's dots are `gradient_einsum`s: laid out on the CPU so that XLA:CPU runs every one of them
+with YNNPACK; elsewhere the plain einsums.
 """
 
 from __future__ import annotations

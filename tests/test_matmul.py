@@ -16,7 +16,7 @@ from jaxmodel import LlamaConfig, LlamaForCausalLM
 from jaxmodel.attention import xla_attention
 from jaxmodel.layers import Linear, LoRAParam
 from jaxmodel.lora import LoraConfig, apply_lora
-from jaxmodel.matmul import DOT_POLICIES, einsum_acc32
+from jaxmodel.matmul import DOT_POLICIES, _explicit, _operand_axes, einsum_acc32
 
 # (spec, a's shape, b's shape): Linear's projection, attention's two matmuls, the LM head, LoRA's two factors
 CONTRACTIONS = [
@@ -50,8 +50,7 @@ def _grads(contract, a, b, c):
 
 def _terms_per_entry(spec: str, a_shape, b_shape) -> tuple[int, int]:
     """How many products each entry of a's gradient and of b's gradient sums."""
-    spec = spec.replace("...", "X" * (len(a_shape) - len(spec.split(",")[0].replace("...", ""))))
-    (a_axes, b_axes), out_axes = spec.split("->")[0].split(","), spec.split("->")[1]
+    a_axes, b_axes, out_axes = _operand_axes(_explicit(spec, len(a_shape), len(b_shape)))
     size = {**dict(zip(a_axes, a_shape)), **dict(zip(b_axes, b_shape))}
     terms = lambda own, other: int(np.prod([size[c] for c in set(out_axes + other) - set(own)] or [1]))
     return terms(a_axes, b_axes), terms(b_axes, a_axes)
