@@ -20,6 +20,12 @@ _CACHE = tempfile.mkdtemp(prefix="llama-jax-tests-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 os.environ["XDG_CACHE_HOME"] = _CACHE
 os.environ["HF_HOME"] = os.path.join(_CACHE, "huggingface")
+# JAX's persistent compilation cache in this session's directory (unless the environment names one): the many
+# runs of the same small models in tests and their subprocesses (finetune-lora, export-peft, the multi-process
+# runs) compile each program once (whole suite on 2 cores: 13.8 minutes against 17.2). Set before pytest-xdist
+# starts its workers, so they and their subprocesses share the controller's directory.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_CACHE, "jax-compilation"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
