@@ -22,8 +22,8 @@ os.environ["XDG_CACHE_HOME"] = _CACHE
 os.environ["HF_HOME"] = os.path.join(_CACHE, "huggingface")
 # JAX's persistent compilation cache in this session's directory (unless the environment names one): the many
 # runs of the same small models in tests and their subprocesses (finetune-lora, export-peft, the multi-process
-# runs) compile each program once (whole suite on 2 cores: 13.8-13.9 minutes against 16.8-17.2). Set before
-# pytest-xdist starts its workers, so they and their subprocesses share the controller's directory.
+# runs) compile each program once (the suite's time with and without it: README). Set before pytest-xdist starts
+# its workers, so they and their subprocesses share the controller's directory.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_CACHE, "jax-compilation"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
