@@ -43,6 +43,7 @@ from jaxmodel.model import LlamaForCausalLM
 from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, named_sharding
 
 GB = 1e9
+PARITY_PRECISION = "highest"
 
 
 def timings(run: Callable[[], object], repeats: int, warmup: int) -> list[float]:
@@ -258,7 +259,9 @@ def collective_bandwidth(devices: list, bytes_per_device: int, repeats: int = 5)
 
 def logits_parity(llama: LlamaConfig, seq: int) -> dict:
     """The same float32 random weights and tokens run on the default device and on the CPU backend: max |logit
-    difference| / max |logit| (the backend's default matmul precision on both); "skipped" without a CPU backend."""
+    difference| / max |logit|, every matmul at "highest" precision on both (the default one is TF32 on NVIDIA
+    GPUs and one bf16 pass on TPUs, whose rounding would hide a real difference); "skipped" without a CPU
+    backend."""
     try:
         cpu, device = jax.devices("cpu")[0], jax.devices()[0]
     except RuntimeError:  # JAX_PLATFORMS leaves the CPU backend out
@@ -267,10 +270,11 @@ def logits_parity(llama: LlamaConfig, seq: int) -> dict:
         graphdef, weights = nnx.split(LlamaForCausalLM(llama, rngs=nnx.Rngs(2)))
     ids = np.random.default_rng(1).integers(0, llama.vocab_size, (1, seq)).astype(np.int32)
     forward = jax.jit(lambda w, ids: nnx.merge(graphdef, w)(ids))
-    on = {where: np.asarray(forward(jax.device_put(weights, where), jax.device_put(ids, where)))
-          for where in (cpu, device)}
+    with jax.default_matmul_precision(PARITY_PRECISION):
+        on = {where: np.asarray(forward(jax.device_put(weights, where), jax.device_put(ids, where)))
+              for where in (cpu, device)}
     difference = float(np.max(np.abs(on[device] - on[cpu])))
     return {"compared": f"{device.platform}:{device.id} vs cpu:{cpu.id}", "max_abs_difference": difference,
             "max_abs_logit": float(np.max(np.abs(on[cpu]))),
-            "relative_difference": difference / float(np.max(np.abs(on[cpu]))), "layers": llama.num_hidden_layers,
-            "seq": seq}
+            "relative_difference": difference / float(np.max(np.abs(on[cpu]))), "matmul_precision": PARITY_PRECISION,
+            "layers": llama.num_hidden_layers, "seq": seq}

@@ -4,8 +4,9 @@ Needs only the JAX stack (jax, flax, optax, numpy) and this repository: random w
 checkpoint, no network, no torch. It measures, on the devices JAX sees:
 
   matmul peak        FLOP/s of one device on a square matmul in float32 and bfloat16 (finetune-lora's own MFU
-                     denominator, `finetune.train.metrics.measure_peak_flops`: `x @ x` on operands in that
-                     dtype, accumulated and returned in float32);
+                     denominator, `finetune.train.metrics.measure_peak_flops`: `x @ x` on random operands in
+                     that dtype, accumulated and returned in float32; float32 at the backend's default matmul
+                     precision, which is TF32 on NVIDIA GPUs);
   LoRA train step    tokens/s of finetune-lora's jit step (`finetune.step.train_step.jit_steps`, the CLI's
                      defaults: LoRA r=8 on all seven projections, remat, attention, loss and MLP chunks, AdamW)
                      on a random-weight Llama, median of the timed steps after two warm-up steps, each waited
@@ -15,12 +16,19 @@ checkpoint, no network, no torch. It measures, on the devices JAX sees:
                      against the measured peak: the busiest device's `memory_stats()["peak_bytes_in_use"]`, or on
                      CPU (no memory_stats) the arrays the step holds on a device (weights, LoRA + AdamW state,
                      batch) plus the process's peak RSS growth over the steps divided by the devices of the step
-                     (VmHWM reset after compiling, so the compiler's own memory is left out);
+                     (VmHWM reset after compiling, so the compiler's own memory is left out); not measured on
+                     an accelerator whose backend reports no memory_stats();
   attention          forward + backward of one attention call, dense scores (`xla`) against `blockwise`, at
-                     the model's heads for a row of each sequence length that fits;
+                     the model's heads for a row of each sequence length that fits (dense: scores at most half
+                     the device; up to DENSE_SEQ_WITHOUT_LIMIT positions where the device reports no limit);
   collectives        all-reduce and all-gather bus bandwidth over all local devices (nccl-tests' convention);
-  parity             the same float32 random model on the default device and on the CPU backend: max |logit
-                     difference| / max |logit| (0 where the default device is the CPU).
+  parity             the same float32 random model on the default device and on the CPU backend, every matmul
+                     at "highest" precision: max |logit difference| / max |logit| (0 where the default device
+                     is the CPU).
+
+A measurement after the train step that fails on the device (out of memory at some attention length, a
+collective, parity) is reported as its error in the table and the JSON (`{"error": ...}`), the others are
+kept, and the command exits with status 1 naming what failed.
 
 Shapes. On CPU a fixed small model (hidden 512, 4 layers, vocab 8192; batch 4 x seq 256) on one device (the
 CPU's simulated devices share its cores, so a mesh over them measures nothing); the report lists what it left
@@ -45,6 +53,7 @@ import dataclasses
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import get_args, get_type_hints
 
@@ -52,9 +61,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # neighbours: device_m
 
 import device_measure as dm
 import jax  # creates no devices until one is asked for
+import jaxlib
 from cli_runs import cpu_description
 
 from finetune.config import TrainConfig
+from finetune.train.metrics import PEAK_SAMPLE_SECONDS
 from jaxmodel.config import LlamaConfig
 from jaxmodel.errors import UsageError, UserError
 from jaxmodel.errors import report as report_error
@@ -75,6 +86,9 @@ ACTIVATION_SHARE = 0.3  # of one device's memory, for the saved activations of i
 MAX_ROWS_PER_DEVICE = 8
 WARMUP_STEPS = 2  # the first runs allocate and fill caches
 PARITY_LAYERS = 2  # of the step's model: enough to pass through the layer scan; the CPU side stays quick
+# Dense attention's longest length on an accelerator that reports no memory limit: its float32 scores for one row
+# of Llama 3.1 8B's 32 heads take 6.4 GB there, and 100 GB at 16384 positions.
+DENSE_SEQ_WITHOUT_LIMIT = 4096
 
 
 @dataclasses.dataclass
@@ -249,29 +263,61 @@ def measure_step(shape: Shape, config, devices: list) -> tuple[list[float], dict
     reset = dm.reset_peak_rss()
     compiled_rss = dm.current_rss()
     times = dm.timings(step.run, shape.steps, WARMUP_STEPS)
-    on_device = dm.device_peak_bytes(devices)
-    if on_device is not None:
-        memory = {"measured_peak_bytes": on_device, "measured_how": "max over the step's devices of "
-                  "memory_stats()['peak_bytes_in_use'] (since the process started)"}
-    elif reset and compiled_rss is not None:
-        growth = (dm.peak_rss() - compiled_rss) / shape.devices
-        memory = {"measured_peak_bytes": step.held_bytes(devices[0]) + growth,
-                  "measured_how": f"arrays held on a device (weights, LoRA + AdamW, batch) + the process's peak "
-                                  f"RSS growth over the steps / {shape.devices} device(s)"}
-    else:
-        memory = {"measured_peak_bytes": None, "measured_how": "not measured: no memory_stats, no /proc"}
+    growth = (dm.peak_rss() - compiled_rss) / shape.devices if reset and compiled_rss is not None else None
+    memory = measured_memory(devices[0], dm.device_peak_bytes(devices), step.held_bytes(devices[0]), growth)
     return times, memory, step.compile_seconds, step.attention
 
 
-def attention_rows(shape: Shape, dtype: str, bytes_limit: float | None) -> list[dict]:
+def measured_memory(device, on_device: float | None, held: int, rss_growth: float | None) -> dict:
+    """The step's measured peak per device: the devices' own `memory_stats()` peak; on the CPU, which reports
+    none, the arrays held on a device plus the process's RSS growth over the steps per device (on any other
+    backend the host's RSS says nothing about the device)."""
+    if on_device is not None:
+        return {"measured_peak_bytes": on_device, "measured_how": "max over the step's devices of "
+                "memory_stats()['peak_bytes_in_use'] (since the process started)"}
+    if device.platform == "cpu" and rss_growth is not None:
+        return {"measured_peak_bytes": held + rss_growth,
+                "measured_how": "arrays held on a device (weights, LoRA + AdamW, batch) + the process's peak "
+                                "RSS growth over the steps / the step's devices"}
+    return {"measured_peak_bytes": None, "measured_how": f"not measured: the {device.platform} backend reports no "
+            "memory_stats()" + ("" if device.platform != "cpu" else " and /proc has no VmHWM")}
+
+
+def dense_attention_fits(llama: LlamaConfig, seq: int, bytes_limit: float | None, platform: str) -> bool:
+    """Whether the dense path's float32 scores for one row of `seq` take at most half the device; an accelerator
+    that reports no memory limit is tried up to DENSE_SEQ_WITHOUT_LIMIT positions (the CPU's lengths are fixed
+    and small)."""
+    if bytes_limit:
+        return dm.dense_scores_bytes(llama, seq) <= bytes_limit / 2
+    return platform == "cpu" or seq <= DENSE_SEQ_WITHOUT_LIMIT
+
+
+def guarded(measure: Callable[[], object]):
+    """`measure()`, or {"error": its exception's type and first line}: one measurement failing on a device (out
+    of memory at some length, a collective the backend lacks) leaves the rest of the report standing."""
+    try:
+        return measure()
+    except Exception as e:  # noqa: BLE001 - any backend's error is the finding this entry reports
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return {"error": f"{type(e).__name__}: {first}".rstrip(": ")}
+
+
+def failed_sections(report: dict) -> list[str]:
+    """The report's measurements that ended in an error (`guarded`), by name."""
+    failed = [f"attention {impl} at {r['seq']} positions" for r in report["attention"]["rows"]
+              for impl in ("xla", "blockwise") if isinstance(r[impl], dict)]
+    return failed + [name for name in ("collectives", "parity") if "error" in report[name]]
+
+
+def attention_rows(shape: Shape, dtype: str, bytes_limit: float | None, platform: str) -> list[dict]:
     llama, rows = llama_of(shape.model), []
     for seq in shape.attention_seqs:
         row = {"seq": seq}
         for impl in ("xla", "blockwise"):
-            if impl == "xla" and bytes_limit and dm.dense_scores_bytes(llama, seq) > bytes_limit / 2:
-                row[impl] = None  # its float32 scores alone would take half the device
+            if impl == "xla" and not dense_attention_fits(llama, seq, bytes_limit, platform):
+                row[impl] = None
                 continue
-            row[impl] = dm.attention_seconds(llama, dm.DTYPES[dtype], seq, impl)
+            row[impl] = guarded(lambda: dm.attention_seconds(llama, dm.DTYPES[dtype], seq, impl))
         rows.append(row)
     return rows
 
@@ -287,7 +333,8 @@ def backend_shape(args, backend: str, bytes_limit: float | None, local_devices: 
 
 def environment(local: list, bytes_limit: float | None) -> dict:
     return {"backend": jax.default_backend(), "device_kind": local[0].device_kind, "device_count": len(local),
-            "jax_version": jax.__version__, "host_cpu": cpu_description(), "device_bytes_limit": bytes_limit}
+            "platform_version": local[0].client.platform_version, "jax_version": jax.__version__,
+            "jaxlib_version": jaxlib.__version__, "host_cpu": cpu_description(), "device_bytes_limit": bytes_limit}
 
 
 def step_section(shape: Shape, args, bytes_limit: float | None, devices: list) -> tuple[Shape, dict]:
@@ -310,7 +357,8 @@ def step_section(shape: Shape, args, bytes_limit: float | None, devices: list) -
         notes.append(f"--plan's total exceeds the device's {bytes_limit / 1e9:.1f} GB")
     return shape, {"model": {"config": llama.to_hf(), "sized": shape.sized},
             "matmul_peak_flops": peaks,
-            "matmul": {"size": shape.matmul_size, "op": "x @ x, operands in the dtype, float32 result (measure_peak_flops)"},
+            "matmul": {"size": shape.matmul_size,
+                       "op": "x @ x, random operands in the dtype, float32 result (measure_peak_flops)"},
             "step": {**dm.step_figures(llama, config, times, peaks[args.dtype], len(devices)), "attention": impl,
                      "compile_seconds": compile_seconds, "layers": llama.num_hidden_layers},
             "memory": {"plan_peak_bytes": plan.total, "plan_compiler_bytes": plan.compiler_total, **memory,
@@ -326,17 +374,22 @@ def measure(args) -> dict:
     shape, section = step_section(shape, args, bytes_limit, local[:shape.devices])
     report = {**environment(local, bytes_limit), **section}
     print(f"attention at {', '.join(map(str, shape.attention_seqs))} positions ...", flush=True)
-    report["attention"] = {"dtype": args.dtype, "batch": 1, "rows": attention_rows(shape, args.dtype, bytes_limit)}
+    platform = local[0].platform
+    report["attention"] = {"dtype": args.dtype, "batch": 1,
+                           "rows": attention_rows(shape, args.dtype, bytes_limit, platform)}
     if len(local) > 1:
         print(f"collectives over {len(local)} devices ...", flush=True)
-        report["collectives"] = dm.collective_bandwidth(local, shape.collective_bytes)
+        report["collectives"] = guarded(lambda: dm.collective_bandwidth(local, shape.collective_bytes))
     else:
         report["collectives"] = {"skipped": "one device"}
     print("logits parity with the CPU backend ...", flush=True)
     layers = min(PARITY_LAYERS, shape.model["num_hidden_layers"])
-    report["parity"] = dm.logits_parity(llama_of({**shape.model, "num_hidden_layers": layers}), shape.parity_seq)
-    report["skipped"] = shape.skipped + [f"dense attention at {r['seq']} positions (its scores would take half the "
-                                         "device)" for r in report["attention"]["rows"] if r["xla"] is None]
+    report["parity"] = guarded(lambda: dm.logits_parity(llama_of({**shape.model, "num_hidden_layers": layers}),
+                                                        shape.parity_seq))
+    why = ("its scores would take half the device" if bytes_limit else
+           f"no memory_stats()['bytes_limit']: dense attention tried up to {DENSE_SEQ_WITHOUT_LIMIT} positions")
+    report["skipped"] = shape.skipped + [f"dense attention at {r['seq']} positions ({why})"
+                                         for r in report["attention"]["rows"] if r["xla"] is None]
     return report
 
 
@@ -348,7 +401,9 @@ def gb(value: float | None) -> str:
     return f"{value / 1e9:.2f} GB" if value >= 1e9 else f"{value / 1e6:.1f} MB"
 
 
-def seconds(value: float | None) -> str:
+def seconds(value: float | dict | None) -> str:
+    if isinstance(value, dict):
+        return f"failed: {value['error']}"
     return "does not fit" if value is None else f"{value * 1e3:,.1f} ms"
 
 
@@ -359,7 +414,8 @@ def row(name: str, figure: str, how: str = "") -> str:
 def matmul_rows(report: dict) -> list[str]:
     size = report["matmul"]["size"]
     return [row(f"matmul peak {dtype}", f"{flops / 1e12:.3f} TFLOP/s",
-                f"one device, {size}² `x @ x`, {dtype} operands, float32 result, best of 5")
+                f"one device, {size}² `x @ x`, random {dtype} operands, float32 result, best of 5 samples of "
+                f"calls back to back (each >= {PEAK_SAMPLE_SECONDS * 1e3:g} ms)")
             for dtype, flops in report["matmul_peak_flops"].items()]
 
 
@@ -390,6 +446,8 @@ def attention_table_rows(report: dict) -> list[str]:
 
 
 def collectives_row(col: dict) -> str:
+    if "error" in col:
+        return row("collectives", f"failed: {col['error']}")
     if "skipped" in col:
         return row("collectives", f"skipped: {col['skipped']}")
     return row(f"collectives, {col['devices']} devices",
@@ -399,17 +457,21 @@ def collectives_row(col: dict) -> str:
 
 
 def parity_row(p: dict) -> str:
+    if "error" in p:
+        return row("logits parity", f"failed: {p['error']}")
     if "skipped" in p:
         return row("logits parity", f"skipped: {p['skipped']}")
     return row("logits parity", f"{p['relative_difference']:.2e}", f"max abs difference / max abs logit, "
-               f"{p['compared']}, float32, {p['layers']} layers, {p['seq']} tokens")
+               f"{p['compared']}, float32, matmul precision {p['matmul_precision']}, {p['layers']} layers, "
+               f"{p['seq']} tokens")
 
 
 def table(report: dict) -> list[str]:
     """The report as one markdown table, with a line of what ran where above it and the shape, notes and what
     was skipped below it."""
-    where = (f"backend {report['backend']} ({report['device_kind']}), {report['device_count']} device(s), "
-             f"jax {report['jax_version']}; host: {report['host_cpu']}")
+    where = (f"backend {report['backend']} ({report['device_kind']}, {report['platform_version']}), "
+             f"{report['device_count']} device(s), jax {report['jax_version']}, jaxlib {report['jaxlib_version']}; "
+             f"host: {report['host_cpu']}")
     return [where, "", row("measurement", "figure", "how"), "|---|---|---|", *matmul_rows(report), step_row(report),
             *memory_rows(report), *attention_table_rows(report), collectives_row(report["collectives"]),
             parity_row(report["parity"]), "", f"shape: {report['model']['sized']}",
@@ -433,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             print(f"{PROG}: error: --json {args.json}: {e.strerror}", file=sys.stderr)
             return 1
+    if failed := failed_sections(report):
+        print(f"{PROG}: error: measurements failed (the table has the errors): {'; '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

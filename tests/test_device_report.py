@@ -92,3 +92,69 @@ def test_bad_input_is_one_line(args, named):
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("device_report.py: error: ") and named in lines[0], run.stderr
     assert "Traceback" not in run.stderr and not run.stdout
+
+
+@pytest.fixture(scope="module")
+def device_report():
+    """bench/device_report.py as a module (bench/ on sys.path, as the script itself puts it)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import device_report as module
+
+    return module
+
+
+class FakeDevice:
+    def __init__(self, platform: str):
+        self.platform = platform
+
+
+def test_a_device_without_memory_stats_reports_no_measured_memory(device_report):
+    """The process's RSS stands in for a CPU device's memory only: on an accelerator whose backend reports no
+    memory_stats() the host's RSS says nothing about the device."""
+    on_cpu = device_report.measured_memory(FakeDevice("cpu"), on_device=None, held=1000, rss_growth=500)
+    assert on_cpu["measured_peak_bytes"] == 1500
+    on_gpu = device_report.measured_memory(FakeDevice("gpu"), on_device=None, held=1000, rss_growth=500)
+    assert on_gpu["measured_peak_bytes"] is None and "memory_stats" in on_gpu["measured_how"]
+    stats = device_report.measured_memory(FakeDevice("gpu"), on_device=7e9, held=1000, rss_growth=500)
+    assert stats["measured_peak_bytes"] == 7e9
+
+
+def test_dense_attention_is_capped_on_an_accelerator_that_reports_no_memory_limit(device_report):
+    from jaxmodel.config import LlamaConfig
+
+    llama = LlamaConfig(**device_report.WIDE_MODEL, rms_norm_eps=1e-5)
+    fits = device_report.dense_attention_fits
+    assert fits(llama, 32768, None, "cpu")  # the CPU's shapes are fixed and small
+    assert fits(llama, device_report.DENSE_SEQ_WITHOUT_LIMIT, None, "gpu")
+    assert not fits(llama, 2 * device_report.DENSE_SEQ_WITHOUT_LIMIT, None, "gpu")
+    assert fits(llama, 8192, 80e9, "gpu") and not fits(llama, 32768, 80e9, "gpu")  # half the device
+
+
+@pytest.mark.slow
+def test_a_failing_measurement_is_reported_and_the_others_kept(device_report, quick_report):
+    """An accelerator's out-of-memory error in one section (attention at a length, collectives, parity) leaves
+    that section's entry as the error, the table says so, the rest of the report stands and the exit status
+    says the report is incomplete."""
+    def oom():
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 137438953472 bytes.\nmore")
+
+    failed = device_report.guarded(oom)
+    assert failed == {"error": "RuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+                               "137438953472 bytes."}
+    assert device_report.guarded(lambda: 1.5) == 1.5
+    report = json.loads(json.dumps(quick_report[0]))
+    report["parity"] = failed
+    report["collectives"] = failed
+    report["attention"]["rows"][1]["xla"] = failed
+    lines = "\n".join(device_report.table(report))
+    assert lines.count("failed: RuntimeError: RESOURCE_EXHAUSTED") == 3, lines
+    assert "| LoRA train step |" in lines
+    assert device_report.failed_sections(report) == ["attention xla at 128 positions", "collectives", "parity"]
+    assert device_report.failed_sections(quick_report[0]) == []
+
+
+@pytest.mark.slow
+def test_the_report_names_the_platform_and_the_parity_precision(quick_report):
+    report, _ = quick_report
+    assert report["jaxlib_version"] and "platform_version" in report
+    assert report["parity"]["matmul_precision"] == "highest"

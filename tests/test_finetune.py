@@ -108,6 +108,31 @@ def test_the_bf16_peak_is_timed_on_bf16_operands_accumulated_in_float32():
     assert len(dots) == 1 and "(tensor<16x16xbf16>, tensor<16x16xbf16>) -> tensor<16x16xf32>" in dots[0], dots
 
 
+def test_the_peak_is_timed_on_varied_operands_and_samples_long_enough_to_hide_dispatch(monkeypatch):
+    """Constant operands let a power-limited accelerator clock higher than real data does, and one short call a
+    sample times its dispatch: the peak times random operands, several calls a sample when one is short."""
+    import jax.numpy as jnp
+
+    import finetune.train.metrics as metrics
+
+    seen, calls = [], []
+
+    def slow_matmul(dtype):
+        def run(x):
+            calls.append(1)
+            seen.append(np.asarray(x))
+            time.sleep(0.002)  # a 2 ms matmul: many calls make one sample
+            return x
+        return run
+
+    monkeypatch.setattr(metrics, "peak_matmul", slow_matmul)
+    flops = metrics.measure_peak_flops(jnp.float32, 64, repeats=3)
+    assert np.std(seen[0]) > 0.5  # not jnp.ones
+    per_sample = (len(calls) - 2) / 3  # the warm-up and the calibrating call first
+    assert per_sample >= metrics.PEAK_SAMPLE_SECONDS / 0.0025
+    assert flops == pytest.approx(2 * 64**3 / 0.002, rel=0.5)
+
+
 def independent_eval_loss(tiny_converted, run_dir: Path, steps: tuple[int, ...], rows, seq_len: int) -> list[float]:
     """Per checkpointed step of the run: the mean completion-token cross-entropy of prompt/completion `rows`,
     each alone in a right-padded row, with that step's LoRA on the converted model; float64 log-softmax of

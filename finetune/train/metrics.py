@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -39,17 +40,27 @@ def peak_matmul(dtype):
     return jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
 
 
+# The shortest a timed sample of the matmul peak lasts: an accelerator's matmul of a few milliseconds or less is
+# timed several calls at a time, so that dispatching and waiting for them stay a small part of the sample.
+PEAK_SAMPLE_SECONDS = 0.05
+
+
 def measure_peak_flops(dtype, size: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of one device on a square matmul with operands in `dtype` (`peak_matmul`): the denominator of the
-    MFU estimate of a step computing in `dtype`."""
-    a = jnp.ones((size, size), dtype)
+    MFU estimate of a step computing in `dtype`. Best of `repeats` samples, each at least PEAK_SAMPLE_SECONDS of
+    calls issued back to back. The operands are random: constant ones let a power-limited accelerator run its
+    matmul faster than on real data."""
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(dtype)
     matmul = peak_matmul(dtype)
-    matmul(a).block_until_ready()
+    jax.block_until_ready(matmul(a))  # compiles
+    start = time.perf_counter()
+    jax.block_until_ready(matmul(a))
+    calls = max(1, math.ceil(PEAK_SAMPLE_SECONDS / max(time.perf_counter() - start, 1e-9)))
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        matmul(a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
+        jax.block_until_ready([matmul(a) for _ in range(calls)])
+        best = min(best, (time.perf_counter() - start) / calls)
     return 2.0 * size**3 / best
 
 
