@@ -42,7 +42,7 @@ def peak_matmul(dtype):
 
 # The shortest a timed sample of the matmul peak lasts: an accelerator's matmul of a few milliseconds or less is
 # timed several calls at a time, so that dispatching and waiting for them stay a small part of the sample.
-PEAK_SAMPLE_SECONDS = 0.05
+PEAK_SAMPLE_SECONDS = 0.02
 
 
 def measure_peak_flops(dtype, size: int = 2048, repeats: int = 5) -> float:
