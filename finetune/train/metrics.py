@@ -47,20 +47,20 @@ PEAK_SAMPLE_SECONDS = 0.02
 
 def measure_peak_flops(dtype, size: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of one device on a square matmul with operands in `dtype` (`peak_matmul`): the denominator of the
-    MFU estimate of a step computing in `dtype`. Best of `repeats` samples, each at least PEAK_SAMPLE_SECONDS of
-    calls issued back to back. The operands are random: constant ones let a power-limited accelerator run its
-    matmul faster than on real data."""
+    MFU estimate of a step computing in `dtype`. Best of `repeats` samples, each after the first at least
+    PEAK_SAMPLE_SECONDS of calls issued back to back. The operands are random: constant ones let a power-limited
+    accelerator run its matmul faster than on real data."""
     a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(dtype)
     matmul = peak_matmul(dtype)
     jax.block_until_ready(matmul(a))  # compiles
-    start = time.perf_counter()
-    jax.block_until_ready(matmul(a))
-    calls = max(1, math.ceil(PEAK_SAMPLE_SECONDS / max(time.perf_counter() - start, 1e-9)))
-    best = float("inf")
+    calls, best = 1, float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         jax.block_until_ready([matmul(a) for _ in range(calls)])
-        best = min(best, (time.perf_counter() - start) / calls)
+        elapsed = time.perf_counter() - start
+        best = min(best, elapsed / calls)
+        # a sample shorter than PEAK_SAMPLE_SECONDS sets the calls of the next ones
+        calls = max(calls, math.ceil(PEAK_SAMPLE_SECONDS / max(elapsed / calls, 1e-9)))
     return 2.0 * size**3 / best
 
 
