@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import tempfile
@@ -317,7 +318,7 @@ def attention_rows(shape: Shape, dtype: str, bytes_limit: float | None, platform
             if impl == "xla" and not dense_attention_fits(llama, seq, bytes_limit, platform):
                 row[impl] = None
                 continue
-            row[impl] = guarded(lambda: dm.attention_seconds(llama, dm.DTYPES[dtype], seq, impl))
+            row[impl] = guarded(functools.partial(dm.attention_seconds, llama, dm.DTYPES[dtype], seq, impl))
         rows.append(row)
     return rows
 

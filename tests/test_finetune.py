@@ -116,7 +116,7 @@ def test_the_peak_is_timed_on_varied_operands_and_samples_long_enough_to_hide_di
 
     import jax.numpy as jnp
 
-    import finetune.train.metrics as metrics
+    from finetune.train import metrics
 
     clock, seen = [0.0], []
 
