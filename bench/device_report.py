@@ -280,8 +280,9 @@ def measured_memory(device, on_device: float | None, held: int, rss_growth: floa
         return {"measured_peak_bytes": held + rss_growth,
                 "measured_how": "arrays held on a device (weights, LoRA + AdamW, batch) + the process's peak "
                                 "RSS growth over the steps / the step's devices"}
-    return {"measured_peak_bytes": None, "measured_how": f"not measured: the {device.platform} backend reports no "
-            "memory_stats()" + ("" if device.platform != "cpu" else " and /proc has no VmHWM")}
+    no_vmhwm = " and /proc has no VmHWM" if device.platform == "cpu" else ""
+    return {"measured_peak_bytes": None,
+            "measured_how": f"not measured: the {device.platform} backend reports no memory_stats(){no_vmhwm}"}
 
 
 def dense_attention_fits(llama: LlamaConfig, seq: int, bytes_limit: float | None, platform: str) -> bool:
