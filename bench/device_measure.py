@@ -35,7 +35,7 @@ from finetune.step.train_step import (
     optimizer_shardings,
     split_model,
 )
-from finetune.train.metrics import flops_per_token, measure_peak_flops, peak_memory_gb
+from finetune.train.metrics import flops_per_token, measure_peak_flops, peak_memory_gb, seconds_per_call
 from jaxmodel.attention import attention
 from jaxmodel.config import LlamaConfig
 from jaxmodel.lora import apply_lora
@@ -238,7 +238,8 @@ def dense_scores_bytes(llama: LlamaConfig, seq: int) -> float:
 def collective_bandwidth(devices: list, bytes_per_device: int, repeats: int = 5) -> dict:
     """All-reduce (psum) and all-gather of a float32 array over a 1-D mesh of `devices`, each device holding
     `bytes_per_device`; bus bandwidth as nccl-tests counts it: all-reduce S/t x 2(n-1)/n with S the bytes
-    reduced per device, all-gather nS/t x (n-1)/n with nS the bytes gathered on each device."""
+    reduced per device, all-gather nS/t x (n-1)/n with nS the bytes gathered on each device. Median of `repeats`
+    samples (`seconds_per_call`: a call of under a millisecond is timed several back to back)."""
     n = len(devices)
     mesh = jax.sharding.Mesh(np.array(devices), ("x",))
     spec = PartitionSpec("x")
@@ -248,8 +249,9 @@ def collective_bandwidth(devices: list, bytes_per_device: int, repeats: int = 5)
     gather = jax.jit(jax.shard_map(lambda b: jax.lax.all_gather(b, "x", tiled=True), mesh=mesh, in_specs=spec,
                                    out_specs=spec))
     size = per * 4
-    reduce_s = median_seconds(lambda: reduce(x).block_until_ready(), repeats)
-    gather_s = median_seconds(lambda: gather(x).block_until_ready(), repeats)
+    jax.block_until_ready((reduce(x), gather(x)))  # compiles
+    reduce_s = statistics.median(seconds_per_call(lambda: reduce(x), repeats))
+    gather_s = statistics.median(seconds_per_call(lambda: gather(x), repeats))
     return {"devices": n, "bytes_per_device": size, "all_reduce_seconds": reduce_s,
             "all_reduce_bus_bytes_per_s": size / reduce_s * 2 * (n - 1) / n, "all_gather_seconds": gather_s,
             "all_gather_bus_bytes_per_s": n * size / gather_s * (n - 1) / n}

@@ -158,3 +158,23 @@ def test_the_report_names_the_platform_and_the_parity_precision(quick_report):
     report, _ = quick_report
     assert report["jaxlib_version"] and "platform_version" in report
     assert report["parity"]["matmul_precision"] == "highest"
+
+
+def test_collectives_are_timed_by_the_shared_sampler(device_report, monkeypatch):
+    """An accelerator's all-reduce of a few MiB takes well under a millisecond: one call a sample would time its
+    dispatch. The collectives take the median of finetune.train.metrics.seconds_per_call's samples, which issue
+    short calls back to back."""
+    import jax
+
+    dm = device_report.dm
+    sampled = []
+
+    def fake_sampler(call, samples):
+        call()  # the collective runs
+        sampled.append(samples)
+        return [0.004, 0.001, 0.002, 0.003, 0.005][:samples]
+
+    monkeypatch.setattr(dm, "seconds_per_call", fake_sampler)
+    col = dm.collective_bandwidth(jax.devices()[:1], 2**10, repeats=5)
+    assert sampled == [5, 5]
+    assert col["all_reduce_seconds"] == col["all_gather_seconds"] == 0.003  # the median of the samples

@@ -132,8 +132,35 @@ def test_the_peak_is_timed_on_varied_operands_and_samples_long_enough_to_hide_di
     flops = metrics.measure_peak_flops(jnp.float32, 64, repeats=3)
     assert np.std(seen[0]) > 0.5  # not jnp.ones
     per_sample = (len(seen) - 2) / 2  # after the compiling call and a first sample of one call
-    assert per_sample == math.ceil(metrics.PEAK_SAMPLE_SECONDS / 0.002)
+    assert per_sample == math.ceil(metrics.TIMED_SAMPLE_SECONDS / 0.002)
     assert flops == pytest.approx(2 * 64**3 / 0.002)
+
+
+def test_a_short_call_is_timed_several_calls_a_sample(monkeypatch):
+    """The sampler behind the matmul peak and the device report's collectives: the first sample is one call, and
+    a call shorter than TIMED_SAMPLE_SECONDS is then issued back to back until a sample lasts that long, so that
+    dispatching and waiting stay a small part of it; each figure is the sample's seconds per call."""
+    import types
+
+    from finetune.train import metrics
+
+    clock, per_sample, issued = [0.0], [], [0]
+
+    def call_of_3_ms():
+        clock[0] += 0.003
+        issued[0] += 1
+        return np.zeros(1)
+
+    def wait(results):  # the waits, in calls a sample
+        per_sample.append(len(results))
+        return results
+
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(metrics.jax, "block_until_ready", wait)
+    seconds = metrics.seconds_per_call(call_of_3_ms, 3)
+    assert seconds == pytest.approx([0.003] * 3)
+    calls = math.ceil(metrics.TIMED_SAMPLE_SECONDS / 0.003)
+    assert calls > 1 and per_sample == [1, calls, calls] and issued[0] == sum(per_sample)
 
 
 def independent_eval_loss(tiny_converted, run_dir: Path, steps: tuple[int, ...], rows, seq_len: int) -> list[float]:

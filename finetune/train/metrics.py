@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -40,28 +41,34 @@ def peak_matmul(dtype):
     return jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
 
 
-# The shortest a timed sample of the matmul peak lasts: an accelerator's matmul of a few milliseconds or less is
-# timed several calls at a time, so that dispatching and waiting for them stay a small part of the sample.
-PEAK_SAMPLE_SECONDS = 0.02
+# The shortest a timed sample lasts (the matmul peak, the device report's collectives): an accelerator's call of a
+# few milliseconds or less is timed several calls at a time, so that dispatching and waiting for them stay a small
+# part of the sample.
+TIMED_SAMPLE_SECONDS = 0.02
+
+
+def seconds_per_call(call: Callable[[], object], samples: int) -> list[float]:
+    """Seconds per call of `call()` (which dispatches work and returns its result without waiting), one figure a
+    sample. The first sample is one call; a sample shorter than TIMED_SAMPLE_SECONDS sets how many calls, issued
+    back to back, the next ones take. Compile before: every call is timed."""
+    calls, seconds = 1, []
+    for _ in range(samples):
+        start = time.perf_counter()
+        jax.block_until_ready([call() for _ in range(calls)])
+        elapsed = time.perf_counter() - start
+        seconds.append(elapsed / calls)
+        calls = max(calls, math.ceil(TIMED_SAMPLE_SECONDS / max(elapsed / calls, 1e-9)))
+    return seconds
 
 
 def measure_peak_flops(dtype, size: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of one device on a square matmul with operands in `dtype` (`peak_matmul`): the denominator of the
-    MFU estimate of a step computing in `dtype`. Best of `repeats` samples, each after the first at least
-    PEAK_SAMPLE_SECONDS of calls issued back to back. The operands are random: constant ones let a power-limited
-    accelerator run its matmul faster than on real data."""
+    MFU estimate of a step computing in `dtype`. Best of `repeats` samples (`seconds_per_call`). The operands are
+    random: constant ones let a power-limited accelerator run its matmul faster than on real data."""
     a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(dtype)
     matmul = peak_matmul(dtype)
     jax.block_until_ready(matmul(a))  # compiles
-    calls, best = 1, float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready([matmul(a) for _ in range(calls)])
-        elapsed = time.perf_counter() - start
-        best = min(best, elapsed / calls)
-        # a sample shorter than PEAK_SAMPLE_SECONDS sets the calls of the next ones
-        calls = max(calls, math.ceil(PEAK_SAMPLE_SECONDS / max(elapsed / calls, 1e-9)))
-    return 2.0 * size**3 / best
+    return 2.0 * size**3 / min(seconds_per_call(lambda: matmul(a), repeats))
 
 
 def peak_memory_gb(devices) -> float | None:
