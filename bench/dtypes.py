@@ -165,15 +165,18 @@ def report(seconds: dict, peaks: dict, flops: float, args) -> None:
     tokens = BATCH * SEQ
     print(f"\nCPU: {cpu_description()}; shape {args.shape}; batch {BATCH} x seq {SEQ}, LoRA r=8 on all seven "
           f"projections; {args.rounds} rounds; model FLOPs {flops / 1e6:.1f} MFLOP a token")
-    print("\n| side | step s: median (min-max, steps) | tokens/s | matmul peak in its dtype | MFU |")
+    print("\n| side | step s: median (min-max, steps) | tokens/s | matmul peak in its dtype: median (min-max) | MFU |")
     print("|---|---|---|---|---|")
     rate = {}
     for (framework, dtype), times in seconds.items():
-        median, peak = statistics.median(times), statistics.median(peaks[(framework, dtype)])
+        side_peaks = peaks[(framework, dtype)]
+        median, peak = statistics.median(times), statistics.median(side_peaks)
         rate[(framework, dtype)] = tokens / median
         name = NAMES[framework].format(dtype=dtype)
+        # the peak moves between rounds about as much as the step: its range is part of the MFU's
+        spread = f" ({min(side_peaks) / 1e9:.0f}-{max(side_peaks) / 1e9:.0f})" if len(side_peaks) > 1 else ""
         print(f"| {name} | {median:.3f} ({min(times):.3f}-{max(times):.3f}, {len(times)}) | {tokens / median:,.0f} | "
-              f"{peak / 1e9:.0f} GFLOP/s | {flops * tokens / median / peak:.1%} |")
+              f"{peak / 1e9:.0f} GFLOP/s{spread} | {flops * tokens / median / peak:.1%} |")
     if ("jax", "bfloat16") in rate and ("jax", "float32") in rate:
         print(f"\nJAX bf16 / JAX float32 tokens/s: {rate[('jax', 'bfloat16')] / rate[('jax', 'float32')]:.2f}x")
     if ("jax, default malloc", "float32") in rate and ("jax", "float32") in rate:
