@@ -130,6 +130,60 @@ def test_dense_attention_is_capped_on_an_accelerator_that_reports_no_memory_limi
     assert fits(llama, 8192, 80e9, "gpu") and not fits(llama, 32768, 80e9, "gpu")  # half the device
 
 
+def accelerator_plan(device_report, tmp_path, bytes_limit: float, devices: int, *options: str):
+    """(shape, plan) that the report would train at on `devices` accelerators of `bytes_limit` each."""
+    args = device_report.build_parser().parse_args(["--dtype", "bfloat16", *options])
+    shape = device_report.backend_shape(args, "gpu", bytes_limit, devices)
+    shape = device_report.apply_options(shape, args, devices)
+    shape, plan, _ = device_report.planned(shape, args, "bfloat16", bytes_limit, tmp_path)
+    return shape, plan
+
+
+@pytest.mark.parametrize("bytes_limit, devices", [(64e9, 1), (182e9, 8)])
+def test_an_accelerator_trains_the_8b_widths_sized_to_its_memory(device_report, tmp_path, bytes_limit, devices):
+    """What runs first on a GPU node: the sizing from memory_stats()["bytes_limit"] (an H100 at JAX's default
+    memory fraction; 8 MI300X at 0.95) and --plan's check of the shape it chose, from abstract shapes."""
+    if devices > simulated_devices():
+        pytest.skip(f"needs {devices} simulated devices")
+    shape, plan = accelerator_plan(device_report, tmp_path, bytes_limit, devices)
+    wide = device_report.WIDE_MODEL
+    assert {k: shape.model[k] for k in wide if k != "num_hidden_layers"} == \
+        {k: v for k, v in wide.items() if k != "num_hidden_layers"}
+    assert shape.model["num_hidden_layers"] == wide["num_hidden_layers"]  # 8B's 16 GB of bf16 weights fit
+    assert shape.seq == 2048 and shape.devices == devices and shape.batch % devices == 0
+    assert 0 < plan.total <= bytes_limit
+
+
+def test_a_shape_whose_plan_does_not_fit_halves_its_rows_then_its_layers(device_report, tmp_path, monkeypatch):
+    """Rows per device go first, then layers, until --plan fits; what the command line fixed is kept, and a
+    shape that cannot fit is `DoesNotFit` (a UsageError: main() reports it in one line)."""
+    bytes_limit, devices = 1e12, 8  # sized at 32 layers and 8 rows a device
+    planned_shapes = []
+
+    def fake_plan(config):  # a third of the device per row and layer: fits at rows x layers <= 3
+        layers = json.loads(Path(config.model_config).read_text())["num_hidden_layers"]
+        rows = config.batch_size // devices
+        planned_shapes.append((rows, layers))
+        return type("Plan", (), {"total": rows * layers * bytes_limit / 3, "compiler_total": 0.0})()
+
+    monkeypatch.setattr(device_report.dm, "plan_of", fake_plan)
+    shape, plan = accelerator_plan(device_report, tmp_path, bytes_limit, devices)
+    assert planned_shapes == [(8, 32), (4, 32), (2, 32), (1, 32), (1, 16), (1, 8), (1, 4), (1, 2)]
+    assert (shape.batch, shape.model["num_hidden_layers"]) == (8, 2) and plan.total <= bytes_limit
+
+    planned_shapes.clear()
+    shape, _ = accelerator_plan(device_report, tmp_path, bytes_limit, devices, "--batch", "16")
+    assert planned_shapes == [(2, 32), (2, 16), (2, 8), (2, 4), (2, 2), (2, 1)]
+    assert (shape.batch, shape.model["num_hidden_layers"]) == (16, 1)
+
+    planned_shapes.clear()
+    shape, plan = accelerator_plan(device_report, tmp_path, bytes_limit, devices, "--batch", "32", "--layers", "32")
+    assert planned_shapes == [(4, 32)] and plan.total > bytes_limit  # measured as asked; the notes say so
+
+    with pytest.raises(device_report.DoesNotFit, match="give a smaller --layers or --batch"):
+        accelerator_plan(device_report, tmp_path, bytes_limit, devices, "--batch", "64")
+
+
 @pytest.mark.slow
 def test_a_failing_measurement_is_reported_and_the_others_kept(device_report, quick_report):
     """An accelerator's out-of-memory error in one section (attention at a length, collectives, parity) leaves
