@@ -50,3 +50,28 @@ def test_drawn_configs_within_one_ulp(raw):
     ours, theirs = both(config.head_dim, raw["rope_parameters"])
     ulps = np.abs(ours.view(np.int32).astype(np.int64) - theirs.view(np.int32).astype(np.int64))
     assert ulps.max() <= 1
+
+
+def test_a_16_bit_rotation_is_the_float32_one_rounded_once():
+    """In bf16 the rotation is computed in float32 from the bf16 inputs and rounded once (numpy's float32 computation
+    rounded, bit for bit), as a fused kernel does: XLA:CPU would otherwise run each bf16 operation as a float32 one
+    between two conversions, in the forward pass, its recomputation and the backward pass of the layer scan."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from jaxmodel.rope import apply_rope, cos_sin
+
+    rng = np.random.default_rng(0)
+    b, t, n, h = 2, 64, 4, 32
+    x = rng.normal(size=(b, t, n, h)).astype(ml_dtypes.bfloat16)
+    positions = np.broadcast_to(np.arange(t), (b, t))
+    cos, sin = cos_sin(jnp.asarray(positions), inv_freq(LlamaConfig.from_hf(
+        {"model_type": "llama", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "head_dim": h}).rope, h), jnp.bfloat16)
+    ours = apply_rope(jnp.asarray(x), cos, sin)
+    assert ours.dtype == jnp.bfloat16
+
+    x32, c32, s32 = (np.asarray(a, np.float32) for a in (x, cos, sin))
+    rotated = np.concatenate([-x32[..., h // 2:], x32[..., :h // 2]], axis=-1)
+    expected = (x32 * c32[:, :, None, :] + rotated * s32[:, :, None, :]).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(np.asarray(ours).view(np.uint16), expected.view(np.uint16))
