@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmodel.attention import ATTENTION_IMPLS, attention
 from jaxmodel.context_parallel import context_parallel_attention, cp_order, cp_size
 from jaxmodel.config import LlamaConfig
-from jaxmodel.layers import Embed, Linear, LoRAParam, QuantizedParam, RMSNorm
+from jaxmodel.layers import Embed, Linear, LoRAParam, QuantizedParam, RMSNorm, swiglu
 from jaxmodel.matmul import DOT_POLICIES, einsum_acc32, remat_name
 from jaxmodel.quantization import Quantization, quantize
 from jaxmodel.rope import apply_rope, cos_sin, inv_freq
@@ -114,7 +114,7 @@ class MLP(nnx.Module):
 
     def _swiglu(self, x, key=None):
         keys = _split(key, 3)
-        return self.down_proj(jax.nn.silu(self.gate_proj(x, keys[0])) * self.up_proj(x, keys[1]), keys[2])
+        return self.down_proj(swiglu(self.gate_proj(x, keys[0]), self.up_proj(x, keys[1])), keys[2])
 
 
 class DecoderLayer(nnx.Module):

@@ -208,3 +208,42 @@ def test_causal_query_blocks_keep_the_numbers(monkeypatch):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7)
     # four blocks: four score matmuls per layer instead of one, over shorter key ranges
     assert blocked_text.count("stablehlo.dot_general") == full_text.count("stablehlo.dot_general") + 2 * 3
+
+
+def bf16_ulps_from_exact(ours, exact: np.ndarray) -> float:
+    """The largest |ours - exact| in units of bf16's spacing at `exact` (a value rounded once is within 0.5)."""
+    ours = np.asarray(jnp.asarray(ours, jnp.float32), np.float64)
+    spacing = np.exp2(np.floor(np.log2(np.maximum(np.abs(exact), 1e-30))) - 7)
+    return float(np.max(np.abs(ours - exact) / spacing))
+
+
+def test_bf16_swiglu_is_the_float32_product_rounded_once():
+    """silu(gate) * up of bf16 projections in float32, rounded once (within half a bf16 spacing of the exact value,
+    where rounding silu's output first is off by up to a whole one): XLA:CPU runs each bf16 operation between two
+    conversions, in the forward pass, its recomputation under remat and the backward pass."""
+    from jaxmodel.layers import swiglu
+
+    rng = np.random.default_rng(0)
+    gate, up = (jnp.asarray(rng.normal(size=(256, 256)) * 3, jnp.bfloat16) for _ in range(2))
+    g, u = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (gate, up))
+    ours = swiglu(gate, up)
+    assert ours.dtype == jnp.bfloat16
+    assert bf16_ulps_from_exact(ours, g / (1 + np.exp(-g)) * u) <= 0.501
+    np.testing.assert_array_equal(swiglu(gate.astype(jnp.float32), up.astype(jnp.float32)),
+                                  jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32))
+
+
+def test_bf16_rmsnorm_scales_in_float32_and_rounds_once():
+    """transformers' LlamaRMSNorm rounds the normalised value to the input dtype and then the product with the
+    weight; here the product is computed in float32 and rounded once (within half a bf16 spacing of the exact)."""
+    from jaxmodel.layers import RMSNorm
+
+    rng = np.random.default_rng(1)
+    norm = RMSNorm(512, eps=1e-5, param_dtype=jnp.bfloat16)
+    norm.weight.set_value(jnp.asarray(rng.normal(size=512), jnp.bfloat16))
+    x = jnp.asarray(rng.normal(size=(128, 512)), jnp.bfloat16)
+    ours = norm(x)
+    assert ours.dtype == jnp.bfloat16
+    x64, w64 = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (x, norm.weight[...]))
+    exact = w64 * x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + 1e-5)
+    assert bf16_ulps_from_exact(ours, exact) <= 0.501
