@@ -108,9 +108,13 @@ def xla_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_
         # One split rather than a slice per block: its gradient is one concatenation of the blocks' query
         # gradients, where slices' would be each padded to the whole length and added.
         q_blocks = jnp.split(q_bkqh, CAUSAL_BLOCKS, axis=2)
+        # The blocks' key prefixes are sliced from float32 copies, so that their gradients are summed in float32
+        # and rounded once (in bf16 each add would round, and XLA:CPU converts around it).
+        k32_bksh, v32_bksh = k_bksh.astype(jnp.float32), v_bksh.astype(jnp.float32)
         out_bkqh = jnp.concatenate([
-            _attend(q_blocks[j], k_bksh[:, :, :(j + 1) * tb], v_bksh[:, :, :(j + 1) * tb],
-                    mask_bts[:, j * tb:(j + 1) * tb, :(j + 1) * tb], r, dtype)
+            _attend(q_blocks[j], k32_bksh[:, :, :(j + 1) * tb].astype(dtype),
+                    v32_bksh[:, :, :(j + 1) * tb].astype(dtype), mask_bts[:, j * tb:(j + 1) * tb, :(j + 1) * tb], r,
+                    dtype)
             for j in range(CAUSAL_BLOCKS)], axis=2)
     else:
         out_bkqh = _attend(q_bkqh, k_bksh, v_bksh, mask_bts, r, dtype)

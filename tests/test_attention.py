@@ -259,3 +259,27 @@ def test_unknown_implementation_and_dense_mask_for_blockwise_are_rejected():
         attention(q, k, k, impl="flash")
     with pytest.raises(ValueError, match="segment ids, not a dense mask"):
         attention(q, k, k, impl="blockwise", mask_bts=jnp.ones((1, 4, 4), bool))
+
+
+def test_bf16_causal_blocks_sum_their_key_and_value_gradients_in_float32():
+    """Each causal query block attends to a prefix of the keys; the gradients of those prefixes are summed in float32
+    and rounded once, not added in bf16 (XLA:CPU converts around every bf16 add, and each add rounds)."""
+    b, t, n, k, h = 1, 4 * attention_module.CAUSAL_BLOCK_MIN, 4, 2, 16
+    q, kk, v = (jnp.ones((b, t, heads, h), jnp.bfloat16) for heads in (n, k, k))
+
+    def loss(q, kk, v):
+        return attention(q, kk, v).astype(jnp.float32).sum()
+
+    from jax.extend.core import jaxprs_in_params
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(1, 2)))(q, kk, v)
+
+    def bf16_adds(jaxpr) -> int:
+        found = 0
+        for eqn in jaxpr.eqns:
+            found += sum(bf16_adds(getattr(sub, "jaxpr", sub)) for sub in jaxprs_in_params(eqn.params))
+            if eqn.primitive.name in ("add", "add_any") and eqn.outvars[0].aval.dtype == jnp.bfloat16:
+                found += 1
+        return found
+
+    assert bf16_adds(jaxpr.jaxpr) == 0
