@@ -48,12 +48,8 @@ def cos_sin(positions_bt: jnp.ndarray, inv_freq_f: np.ndarray, dtype) -> tuple[j
 
 def apply_rope(x_btnd: jnp.ndarray, cos_btd: jnp.ndarray, sin_btd: jnp.ndarray) -> jnp.ndarray:
     """`x * cos + rotate_half(x) * sin` with cos/sin broadcast over the heads axis, computed in float32 and rounded
-    once to x's dtype.
-
-    Why float32 inside: XLA:CPU runs each bf16 operation as a float32 one between two conversions, so the rotation's
-    five operations, their recomputation under remat and their gradients (fused with the transpose out of the
-    attention layout) cost more in bf16 than in float32 (bench/dtypes.py's bf16 step on an Intel Xeon with AMX: 0.94x
-    the time). Rounding once is also what a fused GPU kernel does, and closer to the exact rotation."""
+    once to x's dtype: in bf16, XLA:CPU would run each of the rotation's operations (and their recomputation and
+    gradients) between two conversions (docs/design.md, "Numerics"; `jaxmodel.layers.swiglu` likewise)."""
     half = x_btnd.shape[-1] // 2
     x32 = x_btnd.astype(jnp.float32)
     cos32, sin32 = (c.astype(jnp.float32)[:, :, None, :] for c in (cos_btd, sin_btd))
