@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -93,6 +94,7 @@ class RunCheckpoints:
             raise self._failed(step, e) from None
 
     def _failed(self, step: int, error: BaseException) -> CheckpointSaveError:
+        _ignore_unawaited_coroutines()
         self._reported = True
         self._failed_step = step  # its half-written directory is removed on close(), once Orbax has stopped
         return CheckpointSaveError(f"saving the checkpoint of step {step} failed: {save_failure_cause(error)} "
@@ -219,6 +221,14 @@ def _quiet_orbax() -> None:
     for logger in (logging.getLogger("absl"), logging.getLogger("asyncio")):
         if _FILTER not in logger.filters:
             logger.addFilter(_FILTER)
+
+
+def _ignore_unawaited_coroutines() -> None:
+    """After a failed save, Orbax may leave writers of that checkpoint as coroutines that never ran; Python reports
+    each as a RuntimeWarning when it collects them, often at exit, under the run's one-line error. A warning, not
+    an unraisable error (`_ignore_orphaned_async_errors`), and its message names no module: silenced whole, from the
+    failure on."""
+    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
 
 
 def _ignore_orphaned_async_errors() -> None:
