@@ -192,7 +192,7 @@ MATMUL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 def cpu_description(cpuinfo: str | None = None, cores: int | None = None) -> str:
     """`model name` from /proc/cpuinfo (or `cpuinfo`), the cores this process may use, and which of MATMUL_FLAGS
-    the CPU has: two machines of the same core count can differ 1.7x in their float32 peak and 4x in bf16."""
+    the CPU has: two machines of the same core count can differ 1.5-1.8x in their float32 peak and 4x in bf16."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
