@@ -777,6 +777,7 @@ start_writers()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before", ["failed", "nothing"])
 def test_a_writer_left_never_awaited_by_a_failed_save_adds_no_line(before, tmp_path):
     result = subprocess.run([sys.executable, "-c", ORPHANED_WRITER, str(tmp_path / "checkpoints"), before],
