@@ -80,10 +80,12 @@ def write_model_config(llama: LlamaConfig, directory: Path, dtype: str) -> Path:
     return path
 
 
-def train_config(model_config: Path, devices: int, batch: int, seq: int, dtype: str, hbm_bytes: float) -> TrainConfig:
+def train_config(model_config: Path, devices: int, batch: int, seq: int, dtype: str, hbm_bytes: float,
+                 attention: str = TrainConfig.attention) -> TrainConfig:
     """The run being measured: finetune-lora's defaults (LoRA, remat, attention, chunks, AdamW) at this shape."""
     return TrainConfig(model_config=str(model_config), mesh=mesh_spec(devices), batch_size=batch, seq_len=seq,
-                       dtype=dtype, param_dtype=dtype, hbm_gb=hbm_bytes / GB, steps=10**6, schedule="constant")
+                       dtype=dtype, param_dtype=dtype, attention=attention, hbm_gb=hbm_bytes / GB, steps=10**6,
+                       schedule="constant")
 
 
 def plan_of(config: TrainConfig) -> PlanReport:

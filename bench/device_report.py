@@ -43,6 +43,7 @@ checks the run fits, halving rows per device (then layers) until it does.
     python bench/device_report.py                      # at most ~3 minutes on a 2-core CPU
     python bench/device_report.py --json report.json   # also every figure as JSON
     python bench/device_report.py --dtype float32      # the step in float32 (default: bfloat16, as finetune-lora)
+    python bench/device_report.py --attention xla      # the step's attention, as finetune-lora's (default: auto)
     python bench/device_report.py --quick              # a tiny model: checks the script (well under a minute)
 """
 
@@ -118,17 +119,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{PROG}: error: {message}\n")
 
 
-def dtype_choices() -> tuple[str, ...]:
-    """finetune-lora's --dtype choices."""
-    return get_args(get_type_hints(TrainConfig)["dtype"])
+def choices(option: str) -> tuple[str, ...]:
+    """finetune-lora's choices for `option` (a TrainConfig field)."""
+    return get_args(get_type_hints(TrainConfig)[option])
 
 
 def build_parser() -> argparse.ArgumentParser:
     """This benchmark's options (tests/test_docs_commands.py parses the docs' command lines with it)."""
     parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="also write every figure to this JSON file")
-    parser.add_argument("--dtype", default=TrainConfig.dtype, choices=dtype_choices(),
+    parser.add_argument("--dtype", default=TrainConfig.dtype, choices=choices("dtype"),
                         help="compute and weight dtype of the train step (default: finetune-lora's, bfloat16)")
+    parser.add_argument("--attention", default=TrainConfig.attention, choices=choices("attention"),
+                        help="attention of the train step, as finetune-lora's --attention (default: auto)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and short lengths: checks the script")
     parser.add_argument("--layers", type=positive, help="decoder layers of the model (default: by backend)")
     parser.add_argument("--seq", type=positive, help="tokens per row of the train step")
@@ -243,7 +246,7 @@ def planned(shape: Shape, args, dtype: str, bytes_limit: float | None, workdir: 
     while True:
         llama = llama_of(shape.model)
         config = dm.train_config(dm.write_model_config(llama, workdir, dtype), shape.devices, shape.batch, shape.seq,
-                                 dtype, bytes_limit or 0.0)
+                                 dtype, bytes_limit or 0.0, args.attention)
         report = dm.plan_of(config)
         if not shape.resizable or report.total <= bytes_limit:
             return shape, report, config
@@ -347,7 +350,14 @@ def step_section(shape: Shape, args, bytes_limit: float | None, devices: list) -
         print("planning the train step (finetune-lora --plan) ...", flush=True)
         shape, plan, config = planned(shape, args, args.dtype, bytes_limit, Path(workdir))
     print(f"training {WARMUP_STEPS} + {shape.steps} steps ...", flush=True)
-    times, memory, compile_seconds, impl = measure_step(shape, config, devices)
+    try:
+        times, memory, compile_seconds, impl = measure_step(shape, config, devices)
+    except Exception as e:  # the backend's out-of-memory error is the user's to act on; any other is re-raised
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        limit = gb(bytes_limit) if bytes_limit else "no reported limit"
+        raise DoesNotFit(f"the train step ran out of device memory (--plan: {gb(plan.total)} per device, the device "
+                         f"has {limit}): give a smaller --layers, --batch or --seq") from None
     print(f"matmul peaks ({shape.matmul_size}²) ...", flush=True)
     peaks = dm.matmul_peaks(shape.matmul_size)
     llama = llama_of(shape.model)

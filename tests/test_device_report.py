@@ -151,6 +151,15 @@ def test_an_accelerator_trains_the_8b_widths_sized_to_its_memory(device_report, 
     assert 0 < plan.total <= bytes_limit
 
 
+@pytest.mark.parametrize("attention", ["xla", "blockwise"])
+def test_the_step_and_its_plan_take_the_attention_option(device_report, tmp_path, attention):
+    """--attention reaches the planned run's config, which both --plan and the measured step are built from."""
+    args = device_report.build_parser().parse_args(["--attention", attention, "--layers", "1", "--batch", "1"])
+    shape = device_report.apply_options(device_report.backend_shape(args, "gpu", 64e9, 1), args, 1)
+    _, _, config = device_report.planned(shape, args, "bfloat16", 64e9, tmp_path)
+    assert config.attention_impl() == attention
+
+
 def test_a_shape_whose_plan_does_not_fit_halves_its_rows_then_its_layers(device_report, tmp_path, monkeypatch):
     """Rows per device go first, then layers, until --plan fits; what the command line fixed is kept, and a
     shape that cannot fit is `DoesNotFit` (a UsageError: main() reports it in one line)."""
@@ -179,6 +188,25 @@ def test_a_shape_whose_plan_does_not_fit_halves_its_rows_then_its_layers(device_
 
     with pytest.raises(device_report.DoesNotFit, match="give a smaller --layers or --batch"):
         accelerator_plan(device_report, tmp_path, bytes_limit, devices, "--batch", "64")
+
+
+def test_a_train_step_out_of_device_memory_is_one_line(device_report, monkeypatch, capsys):
+    """Options that ask for more than the device holds (dense attention at a length --plan says does not fit,
+    say) end in one line naming the plan and what to shrink, not the backend's traceback."""
+    def oom(*args):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 192.58GiB\nmore")
+
+    monkeypatch.setattr(device_report, "measure_step", oom)
+    assert device_report.main(["--quick", "--attention", "xla"]) != 0
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("device_report.py: error: ")]
+    assert errors == [errors[0]] and "Traceback" not in err, err  # (a mesh note of --plan may precede it)
+    assert errors[0].startswith("device_report.py: error: the train step ran out of device memory (--plan: ")
+    assert errors[0].endswith("give a smaller --layers, --batch or --seq")
+
+    monkeypatch.setattr(device_report, "measure_step", lambda *args: 1 / 0)  # any other error is a defect: shown whole
+    with pytest.raises(ZeroDivisionError):
+        device_report.main(["--quick"])
 
 
 @pytest.mark.slow
