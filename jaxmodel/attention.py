@@ -19,7 +19,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxmodel.matmul import einsum_acc32, gradient_einsum, saved_as_dot
+from jaxmodel.matmul import einsum_acc32, gradient_einsum, saved_as_dot, saved_residual
 
 ATTENTION_IMPLS = ("xla", "blockwise")
 
@@ -127,11 +127,35 @@ def _attend(q_bkqh, k_bksh, v_bksh, mask_bts, r: int, dtype):
     t, s = mask_bts.shape[1:]
     # Both matmuls take operands of the compute dtype and accumulate in float32 (jaxmodel.matmul), their
     # gradients too; the scores stay float32, the output is rounded to the compute dtype.
-    scores_bkqs = saved_as_dot(einsum_acc32("bkqh,bksh->bkqs", q_bkqh, k_bksh), batched=True) * (h ** -0.5)
+    scores_bkqs = einsum_acc32("bkqh,bksh->bkqs", q_bkqh, k_bksh) * (h ** -0.5)
     mask_bkqs = jnp.broadcast_to(mask_bts[:, None, :, None, :], (b, k, t, r, s)).reshape(b, k, q, s)
     scores_bkqs = jnp.where(mask_bkqs, scores_bkqs, jnp.finfo(jnp.float32).min)
-    probs_bkqs = jax.nn.softmax(scores_bkqs, axis=-1).astype(dtype)
+    probs_bkqs = _probabilities(scores_bkqs, dtype)
     return saved_as_dot(einsum_acc32("bkqs,bksh->bkqh", probs_bkqs, v_bksh).astype(dtype), batched=True)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _probabilities(scores_bkqs: jax.Array, dtype) -> jax.Array:
+    """The softmax over keys of float32 scores, rounded to `dtype`; the remat dot policies keep it.
+
+    Why: the backward pass needs only the probabilities (softmax's gradient is `p * (g - rowsum(g * p))`).
+    Kept, they spare the backward pass the softmax's recomputation from the scores, three passes over the
+    largest tensor of the layer (bench/train.py's float32 step on a 2-core Xeon: 0.97 of the time); in bf16
+    they take half the memory of the float32 scores kept before."""
+    return jax.nn.softmax(scores_bkqs, axis=-1).astype(dtype)
+
+
+def _probabilities_fwd(scores_bkqs, dtype):
+    probs_bkqs = saved_residual(jax.nn.softmax(scores_bkqs, axis=-1).astype(dtype), batched=True)
+    return probs_bkqs, probs_bkqs
+
+
+def _probabilities_bwd(dtype, probs_bkqs, g_bkqs):
+    p_bkqs, g_bkqs = probs_bkqs.astype(jnp.float32), g_bkqs.astype(jnp.float32)
+    return (p_bkqs * (g_bkqs - jnp.sum(g_bkqs * p_bkqs, axis=-1, keepdims=True)),)
+
+
+_probabilities.defvjp(_probabilities_fwd, _probabilities_bwd)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -44,6 +44,14 @@ def saved_as_dot(x: jax.Array, *, batched: bool = False) -> jax.Array:
     return remat_name(x, BATCHED_DOT if batched else DOT)
 
 
+def saved_residual(x: jax.Array, *, batched: bool = False) -> jax.Array:
+    """`saved_as_dot` for a residual of a custom VJP's forward rule, which is never differentiated: a 16-bit
+    `x` is named as its bits directly, since the policies do not see a name inside the custom JVP call that
+    `remat_name` wraps it in."""
+    name = BATCHED_DOT if batched else DOT
+    return _through_bits(x, name) if jnp.dtype(x.dtype).itemsize == 2 else checkpoint_name(x, name)
+
+
 def remat_name(x: jax.Array, name: str) -> jax.Array:
     """`checkpoint_name(x, name)`, with a 16-bit float `x` saved as the integers of its bits.
 

@@ -283,3 +283,39 @@ def test_bf16_causal_blocks_sum_their_key_and_value_gradients_in_float32():
         return found
 
     assert bf16_adds(jaxpr.jaxpr) == 0
+
+
+def _count(jaxpr, primitive: str) -> int:
+    """`primitive`'s equations in `jaxpr` and every jaxpr nested in its equations."""
+    from jax.extend.core import jaxprs_in_params
+
+    return sum(_count(getattr(sub, "jaxpr", sub), primitive) for eqn in jaxpr.eqns
+               for sub in jaxprs_in_params(eqn.params)) + sum(eqn.primitive.name == primitive for eqn in jaxpr.eqns)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_remat_dots_keeps_the_softmax_probabilities_and_computes_no_exponential_again(dtype, capsys):
+    """Under the `dots` policy the plain path keeps each causal block's probabilities, in the compute dtype,
+    instead of its scores: the backward pass recomputes no softmax (bench/train.py's float32 step on a 2-core
+    Xeon: 0.97 of the time), and the gradients are those of the step without rematerialisation."""
+    from jaxmodel.matmul import DOT_POLICIES
+
+    b, t, n, k, h = 1, 4 * attention_module.CAUSAL_BLOCK_MIN, 4, 2, 16
+    rng = np.random.default_rng(5)
+    q, kk, v = (jnp.asarray(rng.normal(size=(b, t, heads, h)), dtype) for heads in (n, k, k))
+
+    def loss(q, kk, v):
+        return (attention(q, kk, v).astype(jnp.float32) ** 2).sum()
+
+    kept = jax.checkpoint(loss, policy=DOT_POLICIES["dots"])
+    forward = jax.make_jaxpr(loss)(q, kk, v).jaxpr
+    backward = jax.make_jaxpr(jax.grad(kept, argnums=(0, 1, 2)))(q, kk, v).jaxpr
+    assert _count(forward, "exp") == attention_module.CAUSAL_BLOCKS
+    assert _count(backward, "exp") == _count(forward, "exp")
+    jax.ad_checkpoint.print_saved_residuals(kept, q, kk, v)
+    saved = "u16" if dtype == jnp.bfloat16 else "f32"
+    rows = t // attention_module.CAUSAL_BLOCKS * (n // k)
+    assert f"{saved}[{b},{k},{rows},{rows // (n // k)}] named 'batched_dot'" in capsys.readouterr().out
+    for got, want in zip(jax.jit(jax.grad(kept, argnums=(0, 1, 2)))(q, kk, v),
+                         jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kk, v)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
