@@ -141,7 +141,7 @@ def _probabilities(scores_bkqs: jax.Array, dtype) -> jax.Array:
     Why: the backward pass needs only the probabilities (softmax's gradient is `p * (g - rowsum(g * p))`).
     Kept, they spare the backward pass the softmax's recomputation from the scores, three passes over the
     largest tensor of the layer (bench/train.py's float32 step on a 2-core Xeon: 0.97 of the time); in bf16
-    they take half the memory of the float32 scores kept before."""
+    they take half the memory that the float32 scores would."""
     return jax.nn.softmax(scores_bkqs, axis=-1).astype(dtype)
 
 

@@ -270,27 +270,17 @@ def test_bf16_causal_blocks_sum_their_key_and_value_gradients_in_float32():
     def loss(q, kk, v):
         return attention(q, kk, v).astype(jnp.float32).sum()
 
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(1, 2)))(q, kk, v).jaxpr
+    bf16_add = lambda eqn: eqn.primitive.name in ("add", "add_any") and eqn.outvars[0].aval.dtype == jnp.bfloat16
+    assert _count(jaxpr, bf16_add) == 0
+
+
+def _count(jaxpr, matches) -> int:
+    """The equations of `jaxpr`, and of every jaxpr nested in them, for which `matches(eqn)` holds."""
     from jax.extend.core import jaxprs_in_params
 
-    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(1, 2)))(q, kk, v)
-
-    def bf16_adds(jaxpr) -> int:
-        found = 0
-        for eqn in jaxpr.eqns:
-            found += sum(bf16_adds(getattr(sub, "jaxpr", sub)) for sub in jaxprs_in_params(eqn.params))
-            if eqn.primitive.name in ("add", "add_any") and eqn.outvars[0].aval.dtype == jnp.bfloat16:
-                found += 1
-        return found
-
-    assert bf16_adds(jaxpr.jaxpr) == 0
-
-
-def _count(jaxpr, primitive: str) -> int:
-    """`primitive`'s equations in `jaxpr` and every jaxpr nested in its equations."""
-    from jax.extend.core import jaxprs_in_params
-
-    return sum(_count(getattr(sub, "jaxpr", sub), primitive) for eqn in jaxpr.eqns
-               for sub in jaxprs_in_params(eqn.params)) + sum(eqn.primitive.name == primitive for eqn in jaxpr.eqns)
+    return sum(_count(getattr(sub, "jaxpr", sub), matches) for eqn in jaxpr.eqns
+               for sub in jaxprs_in_params(eqn.params)) + sum(bool(matches(eqn)) for eqn in jaxpr.eqns)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -310,8 +300,9 @@ def test_remat_dots_keeps_the_softmax_probabilities_and_computes_no_exponential_
     kept = jax.checkpoint(loss, policy=DOT_POLICIES["dots"])
     forward = jax.make_jaxpr(loss)(q, kk, v).jaxpr
     backward = jax.make_jaxpr(jax.grad(kept, argnums=(0, 1, 2)))(q, kk, v).jaxpr
-    assert _count(forward, "exp") == attention_module.CAUSAL_BLOCKS
-    assert _count(backward, "exp") == _count(forward, "exp")
+    exp = lambda eqn: eqn.primitive.name == "exp"
+    assert _count(forward, exp) == attention_module.CAUSAL_BLOCKS
+    assert _count(backward, exp) == _count(forward, exp)
     jax.ad_checkpoint.print_saved_residuals(kept, q, kk, v)
     saved = "u16" if dtype == jnp.bfloat16 else "f32"
     rows = t // attention_module.CAUSAL_BLOCKS * (n // k)
