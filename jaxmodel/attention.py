@@ -136,7 +136,7 @@ def _attend(q_bkqh, k_bksh, v_bksh, mask_bts, r: int, dtype):
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _probabilities(scores_bkqs: jax.Array, dtype) -> jax.Array:
-    """The softmax over keys of float32 scores, rounded to `dtype`; the remat dot policies keep it.
+    """The softmax over keys of float32 scores, rounded to `dtype`; the `dots` remat policy keeps it.
 
     Why: the backward pass needs only the probabilities (softmax's gradient is `p * (g - rowsum(g * p))`).
     Kept, they spare the backward pass the softmax's recomputation from the scores, three passes over the

@@ -12,8 +12,8 @@ same code is right on every backend; in float32 it is the plain float32 contract
 Under `jax.checkpoint` a custom VJP is opaque: the dot policies (`checkpoint_dots`, ...) see no `dot_general`
 and would recompute every projection in the backward pass. Callers therefore mark the values those policies
 should keep with `saved_as_dot` (after rounding to the compute dtype, so bf16 activations are kept in 16 bits),
-and `DOT_POLICIES` are the dot policies that keep them too. `remat_name` saves 16-bit values as integers, which
-the layer scan stacks in place on XLA:CPU.
+and `DOT_POLICIES` are the dot policies that keep them too (`saved_residual` inside a custom VJP's forward
+rule). `remat_name` saves 16-bit values as integers, which the layer scan stacks in place on XLA:CPU.
 
 The backward pass's dots are `gradient_einsum`s: laid out on the CPU so that XLA:CPU runs every one of them
 with YNNPACK; elsewhere the plain einsums.
@@ -41,15 +41,19 @@ DOT_POLICIES = {
 
 def saved_as_dot(x: jax.Array, *, batched: bool = False) -> jax.Array:
     """`x`, a value computed by `einsum_acc32` (rounded, maybe with a bias added), tagged for DOT_POLICIES."""
-    return remat_name(x, BATCHED_DOT if batched else DOT)
+    return remat_name(x, _dot_name(batched))
 
 
 def saved_residual(x: jax.Array, *, batched: bool = False) -> jax.Array:
     """`saved_as_dot` for a residual of a custom VJP's forward rule, which is never differentiated: a 16-bit
     `x` is named as its bits directly, since the policies do not see a name inside the custom JVP call that
     `remat_name` wraps it in."""
-    name = BATCHED_DOT if batched else DOT
+    name = _dot_name(batched)
     return _through_bits(x, name) if jnp.dtype(x.dtype).itemsize == 2 else checkpoint_name(x, name)
+
+
+def _dot_name(batched: bool) -> str:
+    return BATCHED_DOT if batched else DOT
 
 
 def remat_name(x: jax.Array, name: str) -> jax.Array:

@@ -3,6 +3,9 @@ largest entry) over drawn shapes, GQA ratios, block sizes, packed documents, pad
 padding rows give zeros and no gradient; key blocks after the diagonal are never computed; memory grows
 linearly; it works under jit with a traced offset, in bf16, and with the batch sharded over 8 devices."""
 
+import re
+from collections import Counter
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -304,9 +307,13 @@ def test_remat_dots_keeps_the_softmax_probabilities_and_computes_no_exponential_
     assert _count(forward, exp) == attention_module.CAUSAL_BLOCKS
     assert _count(backward, exp) == _count(forward, exp)
     jax.ad_checkpoint.print_saved_residuals(kept, q, kk, v)
-    saved = "u16" if dtype == jnp.bfloat16 else "f32"
-    rows = t // attention_module.CAUSAL_BLOCKS * (n // k)
-    assert f"{saved}[{b},{k},{rows},{rows // (n // k)}] named 'batched_dot'" in capsys.readouterr().out
+    # Kept `[b, k, rows, ·]` arrays: each causal block's output `[..., h]` and probabilities `[..., keys]`, 16-bit
+    # ones as their bits; a block's scores, if kept too, would be one more.
+    blocks = attention_module.CAUSAL_BLOCKS
+    rows, saved = t // blocks * (n // k), "u16" if dtype == jnp.bfloat16 else "f32"
+    kept_arrays = re.findall(rf"(\w+)\[{b},{k},{rows},(\d+)\] named 'batched_dot'", capsys.readouterr().out)
+    want = Counter({(saved, str(h)): blocks, **{(saved, str(t // blocks * (j + 1))): 1 for j in range(blocks)}})
+    assert Counter(kept_arrays) == want
     for got, want in zip(jax.jit(jax.grad(kept, argnums=(0, 1, 2)))(q, kk, v),
                          jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kk, v)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
