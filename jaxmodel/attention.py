@@ -146,7 +146,7 @@ def _probabilities(scores_bkqs: jax.Array, dtype) -> jax.Array:
 
 
 def _probabilities_fwd(scores_bkqs, dtype):
-    probs_bkqs = saved_residual(jax.nn.softmax(scores_bkqs, axis=-1).astype(dtype), batched=True)
+    probs_bkqs = saved_residual(_probabilities(scores_bkqs, dtype), batched=True)
     return probs_bkqs, probs_bkqs
 
 
