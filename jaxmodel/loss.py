@@ -1,5 +1,7 @@
-"""Masked next-token cross-entropy: the plain sums over full logits, and a chunked LM head + loss that
-never holds the `[batch, seq, vocab]` float32 logits (67 GB at 128k tokens and vocab 128256) at once."""
+"""Masked next-token cross-entropy: the plain sums over full logits, and two chunked LM heads + losses that
+never hold the `[batch, seq, vocab]` float32 logits (67 GB at 128k tokens and vocab 128256) at once: one for any
+head (LoRA on it included), which computes each chunk's logits again in the backward pass, and one for a frozen
+head weight, which computes them once."""
 
 from __future__ import annotations
 
@@ -10,7 +12,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmodel.sharding import DEFAULT_RULES, Rules, constrain
+from jaxmodel.matmul import einsum_acc32, gradient_einsum
+from jaxmodel.sharding import DEFAULT_RULES, Rules, constrain, split_ways
+
+# Rows (positions x batch rows) a device computes logits for at once in the frozen-head loss. Why so few: each
+# chunk's logits are fresh memory, and the step ran fastest with 256 or 512 rows (SmolLM2-135M's shape, vocab
+# 49,152, on a 2-core Xeon; docs/benchmarks.md). A matmul of 512 rows by the whole vocabulary still fills a GPU.
+FROZEN_HEAD_DEVICE_ROWS = 512
 
 HeadFn = Callable[[jax.Array], jax.Array]  # hidden states [b, c, d] -> float32 logits [b, c, v]
 
@@ -24,12 +32,17 @@ def cross_entropy_sums(logits_btv: jax.Array, targets_bt: jax.Array,
 
 def token_losses(logits_bcv: jax.Array, targets_bc: jax.Array) -> jax.Array:
     """`logsumexp(logits) - logits[target]` per position, in float32 (`jax.nn.logsumexp` shifts by the max)."""
-    logits_bcv = logits_bcv.astype(jnp.float32)
-    vocab_v = jnp.arange(logits_bcv.shape[-1], dtype=targets_bc.dtype)
+    log_z_bc, target_logit_bc, _ = _log_z_and_target_logit(logits_bcv.astype(jnp.float32), targets_bc)
+    return log_z_bc - target_logit_bc
+
+
+def _log_z_and_target_logit(logits_bcv: jax.Array, targets_bc: jax.Array):
+    """(log-sum-exp of the float32 logits, the target's logit, the one-hot targets) per position."""
+    one_hot_bcv = jnp.arange(logits_bcv.shape[-1], dtype=targets_bc.dtype) == targets_bc[..., None]
     # The target's logit by compare-and-sum rather than a gather: elementwise work plus a sum, which a
     # vocab-split logits array partitions as is (one all-reduce); exact, as every other term is zero.
-    target_logit_bc = jnp.sum(jnp.where(vocab_v == targets_bc[..., None], logits_bcv, 0.0), axis=-1)
-    return jax.nn.logsumexp(logits_bcv, axis=-1) - target_logit_bc
+    target_logit_bc = jnp.sum(jnp.where(one_hot_bcv, logits_bcv, 0.0), axis=-1)
+    return jax.nn.logsumexp(logits_bcv, axis=-1), target_logit_bc, one_hot_bcv
 
 
 def chunked_cross_entropy_sums(head_fn: HeadFn, h_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array, *,
@@ -45,18 +58,8 @@ def chunked_cross_entropy_sums(head_fn: HeadFn, h_btd: jax.Array, targets_bt: ja
     Under a mesh, `rules` pins each chunk like the model's activations (batch on dp/fsdp, vocab on mp).
     A closed-over bfloat16 weight's gradient is summed over chunks in bfloat16 (one rounding per chunk).
     """
-    if chunk <= 0:
-        raise ValueError(f"chunk must be a positive number of sequence positions, got {chunk}")
-    b, t = h_btd.shape[:2]
-    chunk = min(chunk, t)
-    n = -(-t // chunk)
-    pad = n * chunk - t
-
-    def by_chunk(x_bt, axes):  # [b, t, ...] -> [n, b, chunk, ...], positions t.. padded with zeros
-        x_bt = jnp.pad(x_bt, [(0, 0), (0, pad)] + [(0, 0)] * (x_bt.ndim - 2))
-        x_nbc = x_bt.reshape(b, n, chunk, *x_bt.shape[2:]).swapaxes(0, 1)
-        return constrain(x_nbc, (None, "act_batch", "act_seq", *axes), rules)
-
+    _check_chunk(chunk)
+    by_chunk, chunk = _chunking(h_btd.shape[1], chunk, rules)
     xs = (by_chunk(h_btd, ("act_embed",)), by_chunk(targets_bt, ()), by_chunk(mask_bt, ()))
 
     # Saves only the step's inputs: the backward pass recomputes the chunk's logits from h and the head.
@@ -71,3 +74,87 @@ def chunked_cross_entropy_sums(head_fn: HeadFn, h_btd: jax.Array, targets_bt: ja
 
     loss_sum, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), xs)
     return loss_sum, jnp.sum(mask_bt)
+
+
+def frozen_head_cross_entropy_sums(h_btd: jax.Array, w_vd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array, *,
+                                   chunk: int, rules: Rules = DEFAULT_RULES,
+                                   device_rows: int = FROZEN_HEAD_DEVICE_ROWS) -> tuple[jax.Array, jax.Array]:
+    """`cross_entropy_sums(einsum_acc32("btd,vd->btv", h_btd, w_vd), targets_bt, mask_bt)` for a head weight that
+    is not trained, at most `chunk` sequence positions at a time, each chunk's logits computed once; fewer
+    positions when a device's part of a chunk (its batch rows x the positions) would pass `device_rows`.
+
+    A custom VJP: when differentiated, the forward pass computes chunk by chunk the logits, the loss and its
+    gradient with respect to the hidden states, `((softmax - one-hot) x mask) @ w` (the `[b, c, v]` factor
+    rounded to w's dtype before the product, as `einsum_acc32`'s own gradient does), and keeps only that
+    gradient, `[b, t, d]` like h; the backward pass scales it by the loss's cotangent. So no logits are kept
+    for the backward pass nor computed again there, where `chunked_cross_entropy_sums` computes every chunk's
+    logits twice and the plain loss keeps all of them. `w_vd` gets no gradient (it passes `stop_gradient`).
+    Chunks, padding and `rules` as in `chunked_cross_entropy_sums`.
+    """
+    _check_chunk(chunk)
+    rows = h_btd.shape[0] // split_ways("act_batch", h_btd.shape[0], rules)
+    chunk = min(chunk, max(1, device_rows // rows))
+    return _frozen_head_loss_sum(h_btd, jax.lax.stop_gradient(w_vd), targets_bt, mask_bt, chunk,
+                                 tuple(rules)), jnp.sum(mask_bt)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _frozen_head_loss_sum(h_btd, w_vd, targets_bt, mask_bt, chunk: int, rules: Rules) -> jax.Array:
+    return _frozen_head_walk(h_btd, w_vd, targets_bt, mask_bt, chunk, rules, with_gradient=False)[0]
+
+
+def _frozen_head_fwd(h_btd, w_vd, targets_bt, mask_bt, chunk: int, rules: Rules):
+    return _frozen_head_walk(h_btd, w_vd, targets_bt, mask_bt, chunk, rules, with_gradient=True)
+
+
+def _frozen_head_bwd(chunk: int, rules: Rules, dh_btd, g):
+    return dh_btd * g.astype(dh_btd.dtype), None, None, None
+
+
+_frozen_head_loss_sum.defvjp(_frozen_head_fwd, _frozen_head_bwd)
+
+
+def _frozen_head_walk(h_btd, w_vd, targets_bt, mask_bt, chunk: int, rules: Rules, *, with_gradient: bool):
+    """(loss sum, d loss sum / d h or None) over the chunks of the sequence, in one scan."""
+    b, t = h_btd.shape[:2]
+    by_chunk, chunk = _chunking(t, chunk, rules)
+    xs = (by_chunk(h_btd, ("act_embed",)), by_chunk(targets_bt, ()), by_chunk(mask_bt, ()))
+
+    def step(loss_sum, xs_chunk):
+        h_bcd, targets_bc, mask_bc = xs_chunk
+        logits_bcv = constrain(einsum_acc32("bcd,vd->bcv", h_bcd, w_vd), ("act_batch", "act_seq", "act_vocab"),
+                               rules)
+        log_z_bc, target_logit_bc, one_hot_bcv = _log_z_and_target_logit(logits_bcv, targets_bc)
+        loss_sum = loss_sum + jnp.sum((log_z_bc - target_logit_bc) * mask_bc)
+        if not with_gradient:
+            return loss_sum, None
+        dlogits_bcv = (jnp.exp(logits_bcv - log_z_bc[..., None]) - one_hot_bcv) * mask_bc[..., None]
+        dh_bcd = gradient_einsum("bcv,vd->bcd", dlogits_bcv.astype(w_vd.dtype), w_vd).astype(h_bcd.dtype)
+        return loss_sum, constrain(dh_bcd, ("act_batch", "act_seq", "act_embed"), rules)
+
+    loss_sum, dh_nbcd = jax.lax.scan(step, jnp.zeros((), jnp.float32), xs)
+    if not with_gradient:
+        return loss_sum, None
+    dh_btd = dh_nbcd.swapaxes(0, 1).reshape(b, -1, h_btd.shape[2])[:, :t]
+    return loss_sum, constrain(dh_btd, ("act_batch", "act_seq", "act_embed"), rules)
+
+
+def _check_chunk(chunk: int) -> None:
+    if chunk <= 0:
+        raise ValueError(f"chunk must be a positive number of sequence positions, got {chunk}")
+
+
+def _chunking(t: int, chunk: int, rules: Rules):
+    """(by_chunk, chunk): `by_chunk(x_bt, axes)` lays `[b, t, ...]` out as `[n, b, chunk, ...]`, positions
+    t.. padded with zeros, pinned like the model's activations; `chunk` at most t."""
+    chunk = min(chunk, t)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+
+    def by_chunk(x_bt, axes):
+        b = x_bt.shape[0]
+        x_bt = jnp.pad(x_bt, [(0, 0), (0, pad)] + [(0, 0)] * (x_bt.ndim - 2))
+        x_nbc = x_bt.reshape(b, n, chunk, *x_bt.shape[2:]).swapaxes(0, 1)
+        return constrain(x_nbc, (None, "act_batch", "act_seq", *axes), rules)
+
+    return by_chunk, chunk

@@ -213,15 +213,24 @@ class LlamaForCausalLM(nnx.Module):
     def head(self, h_btd) -> jax.Array:
         """float32 logits `[..., v]` of hidden states `[..., d]`: the LM head (or the tied embedding), with
         its LoRA adapter when `lm_head` has one (without dropout: the loss may run the head in chunks)."""
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        w_vd = head.weight[...].astype(self.dtype)
-        logits = einsum_acc32("...d,vd->...v", h_btd.astype(self.dtype), w_vd)
+        logits = einsum_acc32("...d,vd->...v", h_btd.astype(self.dtype), self._head_weight())
         if self.lm_head is not None and self.lm_head.lora_a is not None:
             *lead, d = h_btd.shape
             logits = logits + self.lm_head.lora_delta(h_btd.reshape(-1, d)).reshape(*lead, -1)
         if logits.ndim == 3:
             logits = constrain(logits, ("act_batch", "act_seq", "act_vocab"), self.rules)
         return logits
+
+    def frozen_head_weight(self) -> jax.Array | None:
+        """The head's weight `[v, d]` in the compute dtype, as `head` multiplies by it, or None when `lm_head`
+        carries a LoRA adapter (then the head has trained parameters)."""
+        if self.lm_head is not None and self.lm_head.lora_a is not None:
+            return None
+        return self._head_weight()
+
+    def _head_weight(self) -> jax.Array:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return head.weight[...].astype(self.dtype)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import jax
@@ -71,6 +72,16 @@ def constrain(x, axes: Sequence[str | None], rules: Rules = DEFAULT_RULES):
     if mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, partition_spec(axes, x.shape, mesh, rules))
+
+
+def split_ways(logical: str, size: int, rules: Rules = DEFAULT_RULES) -> int:
+    """Into how many parts the mesh set with `jax.set_mesh` splits a dimension of `size` on the logical axis
+    `logical` (as `partition_spec` lays it out; 1 without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    entry = partition_spec((logical,), (size,), mesh, rules)[0]
+    return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))
 
 
 def named_sharding(axes, shape, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jaxprs import count_eqns
 
 import jaxmodel.attention as attention_module
 from jaxmodel.attention import attention, blockwise_attention
@@ -275,15 +276,7 @@ def test_bf16_causal_blocks_sum_their_key_and_value_gradients_in_float32():
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(1, 2)))(q, kk, v).jaxpr
     bf16_add = lambda eqn: eqn.primitive.name in ("add", "add_any") and eqn.outvars[0].aval.dtype == jnp.bfloat16
-    assert _count(jaxpr, bf16_add) == 0
-
-
-def _count(jaxpr, matches) -> int:
-    """The equations of `jaxpr`, and of every jaxpr nested in them, for which `matches(eqn)` holds."""
-    from jax.extend.core import jaxprs_in_params
-
-    return sum(_count(getattr(sub, "jaxpr", sub), matches) for eqn in jaxpr.eqns
-               for sub in jaxprs_in_params(eqn.params)) + sum(bool(matches(eqn)) for eqn in jaxpr.eqns)
+    assert count_eqns(jaxpr, bf16_add) == 0
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -304,8 +297,8 @@ def test_remat_dots_keeps_the_softmax_probabilities_and_computes_no_exponential_
     forward = jax.make_jaxpr(loss)(q, kk, v).jaxpr
     backward = jax.make_jaxpr(jax.grad(kept, argnums=(0, 1, 2)))(q, kk, v).jaxpr
     exp = lambda eqn: eqn.primitive.name == "exp"
-    assert _count(forward, exp) == attention_module.CAUSAL_BLOCKS
-    assert _count(backward, exp) == _count(forward, exp)
+    assert count_eqns(forward, exp) == attention_module.CAUSAL_BLOCKS
+    assert count_eqns(backward, exp) == count_eqns(forward, exp)
     jax.ad_checkpoint.print_saved_residuals(kept, q, kk, v)
     # Kept `[b, k, rows, ·]` arrays: each causal block's output `[..., h]` and probabilities `[..., keys]`, 16-bit
     # ones as their bits; a block's scores, if kept too, would be one more.

@@ -9,7 +9,12 @@ Behaviour checked:
 - it takes an NNX head merged from a split LoRA state, under `jax.jit` and `jax.grad`;
 - its compiled gradient needs less temporary memory than one float32 logits array where the reference
   needs three, growing with the sequence by about one hidden-state row per position;
-- sharding the batch (and the vocabulary) over 8 devices changes nothing but the layout.
+- sharding the batch (and the vocabulary) over 8 devices changes nothing but the layout;
+- the frozen-head loss equals the full-logits reference in value and in d/dh, for any cotangent, within 1e-5
+  relative in float32 and one bfloat16 step in bfloat16, gives the head weight no gradient, computes the head's
+  matmul twice (the logits, d/dh) where the chunked loss does three times, needs less temporary memory than one
+  logits array, caps a chunk at `device_rows` rows of each device's part of the batch, and is what finetune's
+  `loss_sums` takes for a head without LoRA, sharded or not.
 """
 
 from __future__ import annotations
@@ -27,11 +32,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jaxprs import count_eqns
 
 from jaxmodel import LlamaConfig, LlamaForCausalLM
 from jaxmodel.layers import LoRAParam
 from jaxmodel.lora import LoraConfig, apply_lora
-from jaxmodel.loss import chunked_cross_entropy_sums, cross_entropy_sums
+from jaxmodel.loss import chunked_cross_entropy_sums, cross_entropy_sums, frozen_head_cross_entropy_sums
 
 F32_RTOL = 1e-5
 BF16_UNIT_ROUNDOFF = 2.0 ** -8  # 8 significand bits, round to nearest
@@ -327,3 +333,195 @@ def test_chunk_must_be_positive():
     x = arrays(Problem(batch=1, seq=4, chunk=1, vocab=3, hidden=2, rank=1, zero_rows=(False,), seed=0))
     with pytest.raises(ValueError, match="chunk must be a positive"):
         chunked_loss(**x, chunk=0)
+
+
+# The frozen-head loss: the head `h @ w.T` with no LoRA on it, d/dh only.
+
+def plain_head_loss(h, w, targets, mask):
+    logits = jnp.einsum("btd,vd->btv", h, w, preferred_element_type=jnp.float32)
+    return cross_entropy_sums(logits, targets, mask)
+
+
+def frozen_head_loss(h, w, targets, mask, *, chunk, device_rows=512):
+    return frozen_head_cross_entropy_sums(h, w, targets, mask, chunk=chunk, device_rows=device_rows)
+
+
+@functools.cache
+def frozen_head_grads(chunk: int | None, device_rows: int = 512, scale: float = 1.0):
+    """jit of (loss sum, count, d (scale x loss sum) / d (h, w)) of the plain (None) or the frozen-head loss."""
+    fn = plain_head_loss if chunk is None else functools.partial(frozen_head_loss, chunk=chunk,
+                                                                 device_rows=device_rows)
+
+    def run(h, w, targets, mask):
+        (loss, count), grads = jax.value_and_grad(lambda h, w: fn(h, w, targets, mask), argnums=(0, 1),
+                                                  has_aux=True)(h, w)
+        (_, _), scaled = jax.value_and_grad(lambda h, w: (scale * fn(h, w, targets, mask)[0], 0), argnums=(0, 1),
+                                            has_aux=True)(h, w)
+        return loss, count, grads, scaled
+    return jax.jit(run)
+
+
+def frozen_arrays(p: Problem, dtype=jnp.float32) -> dict[str, jax.Array]:
+    return {k: v for k, v in arrays(p, dtype).items() if k not in ("a", "b")}
+
+
+@settings(max_examples=12)
+@example(Problem(batch=2, seq=13, chunk=4, vocab=9, hidden=5, rank=1, zero_rows=(True, False), seed=1), 512)
+@example(Problem(batch=3, seq=16, chunk=16, vocab=7, hidden=3, rank=1, zero_rows=(False, False, False), seed=2), 4)
+@example(Problem(batch=2, seq=5, chunk=8, vocab=3, hidden=4, rank=1, zero_rows=(True, True), seed=3), 1)
+@given(problems(), st.sampled_from([1, 4, 512]))
+@pytest.mark.slow
+def test_frozen_head_equals_full_logits_in_float32(p: Problem, device_rows: int):
+    """Any sequence, chunk and row cap (device_rows 1 and 4 make chunks of fewer positions than asked); the
+    gradient scaled by a cotangent of 2.5 is 2.5 times the gradient; the weight gets none."""
+    x = frozen_arrays(p)
+    loss, count, (dh, dw), (scaled_dh, scaled_dw) = frozen_head_grads(p.chunk, device_rows, 2.5)(**x)
+    want_loss, want_count, (want_dh, _), _ = frozen_head_grads(None, scale=2.5)(**x)
+    assert_close(loss, want_loss)
+    assert float(count) == float(want_count)
+    assert dh.dtype == jnp.float32
+    assert_close(dh, want_dh)
+    assert_close(scaled_dh, 2.5 * np.asarray(want_dh))
+    assert not np.any(np.asarray(dw)) and not np.any(np.asarray(scaled_dw))
+
+
+@settings(max_examples=5)
+@example(Problem(batch=2, seq=29, chunk=4, vocab=40, hidden=12, rank=1, zero_rows=(False, True), seed=5))
+@given(problems())
+@pytest.mark.slow
+def test_frozen_head_equals_full_logits_in_bfloat16(p: Problem):
+    """bfloat16 h and weight: the logits are float32 sums of exact bfloat16 products in both paths, and d/dh
+    is the same float32 sum over the vocabulary of a bfloat16-rounded factor, rounded once to bfloat16: at most
+    one bfloat16 step apart (2^-7 relative), the factor's own rounding (2^-8 relative) aside."""
+    x = frozen_arrays(p, jnp.bfloat16)
+    loss, count, (dh, _), _ = frozen_head_grads(p.chunk)(**x)
+    want_loss, want_count, (want_dh, _), _ = frozen_head_grads(None)(**x)
+    assert_close(loss, want_loss)
+    assert float(count) == float(want_count)
+    assert dh.dtype == jnp.bfloat16
+    scale = np.max(np.abs(np.asarray(want_dh, np.float64)), initial=0.0)
+    np.testing.assert_allclose(np.asarray(dh, np.float64), np.asarray(want_dh, np.float64), rtol=2.0 ** -7,
+                               atol=2 * BF16_UNIT_ROUNDOFF * scale)
+
+
+def compiled_dots(loss_fn, *args) -> int:
+    """How many dots the compiled loss and d loss / d h hold (a loop body's counted once)."""
+    hlo = jax.jit(jax.value_and_grad(lambda *a: loss_fn(*a)[0])).lower(*args).compile().as_text()
+    return len(re.findall(r" dot\(", hlo))
+
+
+def test_frozen_head_computes_the_head_matmul_twice_where_the_chunked_loss_does_three_times():
+    p = Problem(batch=2, seq=24, chunk=8, vocab=50, hidden=6, rank=1, zero_rows=(False, False), seed=9)
+    x = frozen_arrays(p)
+    args = (x["h"], x["w"], x["targets"], x["mask"])
+    chunked = functools.partial(chunked_cross_entropy_sums, chunk=8)
+    assert compiled_dots(lambda h, w, t, m: frozen_head_loss(h, w, t, m, chunk=8), *args) == 2
+    assert compiled_dots(lambda h, w, t, m: chunked(lambda h_bcd: jnp.einsum("bcd,vd->bcv", h_bcd, w), h, t, m),
+                         *args) == 3
+
+
+def frozen_grad_temp_bytes(seq: int, chunk: int, hidden: int = 64, vocab: int = 4096) -> int:
+    """Temporary bytes of the compiled d loss / d h of the frozen-head loss for batch 1, from shapes alone."""
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in
+            [((1, seq, hidden), jnp.float32), ((vocab, hidden), jnp.float32), ((1, seq), jnp.int32),
+             ((1, seq), jnp.float32)]]
+    grad = jax.grad(lambda h, w, t, m: frozen_head_loss(h, w, t, m, chunk=chunk)[0])
+    return jax.jit(grad).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.slow
+def test_frozen_head_gradient_memory_is_below_one_logits_array_and_linear_in_seq():
+    hidden, vocab = 64, 4096
+    logits_bytes = 2048 * vocab * 4
+    temps = {seq: frozen_grad_temp_bytes(seq, 256) for seq in (1024, 2048, 4096)}
+    assert temps[2048] < logits_bytes / 2
+    per_position = [(temps[2048] - temps[1024]) / 1024, (temps[4096] - temps[2048]) / 2048]
+    assert per_position[1] == pytest.approx(per_position[0], rel=0.1)  # linear in seq
+    assert per_position[1] <= 2 * hidden * 4  # a hidden-state row or two per position (d/dh), no vocab row
+
+
+def scan_lengths(fn, *args) -> list[int]:
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    found = []
+    count_eqns(jaxpr, lambda eqn: eqn.primitive.name == "scan" and found.append(eqn.params["length"]))
+    return found
+
+
+@pytest.mark.parametrize("mesh_shape, batch, device_rows, positions", [
+    (None, 16, 32, 2),  # 16 rows on one device: 2 positions a chunk
+    ((8, 1, 1), 16, 32, 16),  # 2 rows a device: 16 positions
+    ((2, 2, 2), 16, 32, 8),  # 4 rows a device (dp x fsdp): 8 positions
+    ((8, 1, 1), 4, 32, 8),  # 4 rows do not split 8 ways: each device holds all 4
+    (None, 2, 512, 24),  # capped by `chunk`
+])
+def test_a_chunk_holds_at_most_device_rows_of_each_devices_part_of_the_batch(mesh_shape, batch, device_rows,
+                                                                            positions):
+    seq = 48
+    x = frozen_arrays(Problem(batch=batch, seq=seq, chunk=24, vocab=16, hidden=4, rank=1,
+                              zero_rows=(False,) * batch, seed=0))
+
+    def loss(h):
+        return frozen_head_loss(h, x["w"], x["targets"], x["mask"], chunk=24, device_rows=device_rows)[0]
+
+    if mesh_shape is None:
+        assert scan_lengths(loss, x["h"]) == [seq // positions]
+        return
+    mesh = jax.make_mesh(mesh_shape, ("dp", "fsdp", "mp"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    with jax.set_mesh(mesh):
+        assert scan_lengths(loss, x["h"]) == [seq // positions]
+
+
+@pytest.mark.parametrize("mesh_shape, batch_spec, w_spec", [
+    ((8, 1, 1), P(("dp", "fsdp")), P()),  # batch split 8 ways
+    ((2, 2, 2), P(("dp", "fsdp")), P("mp", "fsdp")),  # and the vocab over mp, as DEFAULT_RULES
+])
+@pytest.mark.slow
+def test_frozen_head_sharded_gives_the_unsharded_result(mesh_shape, batch_spec, w_spec):
+    p = Problem(batch=8, seq=19, chunk=8, vocab=96, hidden=32, rank=1, zero_rows=(False,) * 7 + (True,), seed=7)
+    x = frozen_arrays(p)
+    run = frozen_head_grads(p.chunk)
+    want_loss, _, (want_dh, _), _ = run(**x)
+
+    mesh = jax.make_mesh(mesh_shape, ("dp", "fsdp", "mp"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    specs = {"h": batch_spec, "w": w_spec, "targets": batch_spec, "mask": batch_spec}
+    with jax.set_mesh(mesh):
+        placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in x.items()}
+        loss, _, (dh, _), _ = run(**placed)
+        hlo = run.lower(**placed).compile().as_text()
+    assert_close(loss, want_loss)
+    assert_close(dh, want_dh)
+    rows_per_device = p.batch // (mesh_shape[0] * mesh_shape[1])
+    assert dh.sharding.shard_shape(dh.shape)[0] == rows_per_device
+    assert all(str(p.vocab) not in dims for dims in gathered_dims(hlo)), gathered_dims(hlo)
+
+
+@pytest.mark.parametrize("lm_head_lora", [False, True])
+def test_finetune_loss_sums_takes_the_frozen_head_loss_for_a_head_without_lora(lm_head_lora, monkeypatch):
+    """At a sequence of at most `chunk` positions too, where a head with LoRA takes the plain loss; the loss and
+    the LoRA gradients are the plain loss's (`chunk` 0)."""
+    import finetune.step.train_step as train_step
+
+    calls = []
+    frozen = train_step.frozen_head_cross_entropy_sums
+    monkeypatch.setattr(train_step, "frozen_head_cross_entropy_sums", lambda *a, **k: calls.append(k) or frozen(*a, **k))
+    config = LlamaConfig(vocab_size=72, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    targets = ("q_proj", "lm_head") if lm_head_lora else ("q_proj",)
+    model = apply_lora(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), LoraConfig(targets=targets), rngs=nnx.Rngs(1))
+    graphdef, lora, base = nnx.split(model, LoRAParam, ...)
+    lora = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(2), x.shape, x.dtype), lora)
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, 72, (2, 12)), jnp.int32)
+    batch = {"input_ids": ids, "targets": jnp.roll(ids, -1, 1), "loss_mask": jnp.ones((2, 12), jnp.float32),
+             "segment_ids": jnp.ones_like(ids), "positions": jnp.broadcast_to(jnp.arange(12), (2, 12))}
+
+    def loss(lora, chunk):
+        return train_step.loss_sums(nnx.merge(graphdef, base, lora), batch, chunk=chunk)[0]
+
+    grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    (got_loss, got), (want_loss, want) = grad(lora, 2048), grad(lora, 0)
+    assert [k["chunk"] for k in calls] == ([] if lm_head_lora else [2048])
+    assert_close(got_loss, want_loss)
+    for (_, g), (_, w) in zip(nnx.to_flat_state(got), nnx.to_flat_state(want)):
+        assert float(jnp.max(jnp.abs(w[...]))) > 0
+        assert_close(g[...], w[...])

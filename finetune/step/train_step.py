@@ -16,7 +16,7 @@ from finetune.config import TrainConfig
 from finetune.step.preference import Objective, pair_losses, sequence_sums, token_logps
 from jaxmodel.context_parallel import cp_size
 from jaxmodel.layers import LoRAParam
-from jaxmodel.loss import chunked_cross_entropy_sums, cross_entropy_sums
+from jaxmodel.loss import chunked_cross_entropy_sums, cross_entropy_sums, frozen_head_cross_entropy_sums
 from jaxmodel.sharding import Rules, batch_sharding
 
 BATCH_KEYS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
@@ -63,8 +63,11 @@ def make_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, o
 def loss_sums(model, batch: dict[str, jax.Array], dropout_key=None, chunk: int = 0) -> tuple[jax.Array, jax.Array]:
     """(sum of masked next-token cross-entropy, number of target tokens) over a batch.
 
-    With `chunk`, the LM head and the loss run over chunks of that many positions
-    (`jaxmodel.loss.chunked_cross_entropy_sums`): no `[batch, seq, vocab]` logits are held at once.
+    With `chunk`, the LM head and the loss run over chunks of at most that many positions: no `[batch, seq,
+    vocab]` logits are held at once. A frozen head (no LoRA on `lm_head`) computes each chunk's logits once
+    (`jaxmodel.loss.frozen_head_cross_entropy_sums`, a sequence of any length); one with LoRA computes them again
+    in the backward pass (`chunked_cross_entropy_sums`), and a sequence of at most `chunk` positions takes the
+    plain loss instead.
     """
     h_btd = model.hidden_states(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
                                 dropout_key=dropout_key)
@@ -79,6 +82,9 @@ def loss_sums(model, batch: dict[str, jax.Array], dropout_key=None, chunk: int =
         cp = cp_size()
         h_btd, targets_bt, mask_bt = (x.reshape(b * cp, t // cp, *x.shape[2:]) for x in (h_btd, targets_bt, mask_bt))
         rules = _rows_over_cp(rules)
+    w_vd = model.frozen_head_weight() if chunk else None
+    if w_vd is not None:
+        return frozen_head_cross_entropy_sums(h_btd, w_vd, targets_bt, mask_bt, chunk=chunk, rules=rules)
     if not chunk or chunk >= h_btd.shape[1]:  # one chunk: the plain loss needs fewer temporaries
         return cross_entropy_sums(model.head(h_btd), targets_bt, mask_bt)
     return chunked_cross_entropy_sums(model.head, h_btd, targets_bt, mask_bt, chunk=chunk, rules=rules)
