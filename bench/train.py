@@ -42,8 +42,9 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 LR = 1e-4  # constant, no clipping: what jax_side's optimizer is
 
 
-def jax_side(layers: int = 8, remat: str = "none"):
-    """A compiled JAX LoRA step and its inputs; returns (run_one_step, compile_seconds)."""
+def jax_side(layers: int = 8, remat: str = "none", loss_chunk: int | None = None):
+    """A compiled JAX LoRA step and its inputs; returns (run_one_step, compile_seconds). `loss_chunk`:
+    finetune-lora's default when None."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -61,7 +62,8 @@ def jax_side(layers: int = 8, remat: str = "none"):
     train_config = TrainConfig(lr=LR, steps=10**6, schedule="constant", clip_norm=0.0)
     tx, schedule = make_optimizer(train_config)
     state = TrainState(jnp.int32(0), lora, tx.init(lora), jax.random.key(0))
-    train_fn, _ = build_steps(graphdef, schedule, tx, grad_accum=1)
+    loss_chunk = train_config.loss_chunk if loss_chunk is None else loss_chunk
+    train_fn, _ = build_steps(graphdef, schedule, tx, grad_accum=1, loss_chunk=loss_chunk)
     step = jax.jit(train_fn, donate_argnums=0)
     ids = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (BATCH, SEQ + 1)).astype(np.int32)
     batch = {"input_ids": jnp.asarray(ids[:, :-1]), "targets": jnp.asarray(ids[:, 1:]),

@@ -201,8 +201,10 @@ class TrainConfig:
                 "linear in seq) computes them block by block; auto: blockwise from --seq-len 2048 on or with cp > 1",
         resume=Allowed("memory/speed only, same function"))
     loss_chunk: int = option(2048, "positions per chunk of the LM head + cross-entropy, so [seq, vocab] logits are "
-                                   "never held at once; a sequence (per cp device) of at most this many positions "
-                                   "takes the plain loss, which needs less memory then (0: always plain)",
+                                   "never held at once: a frozen head computes each chunk's logits once (its chunks "
+                                   "also hold at most a few hundred rows per device); with LoRA on lm_head they "
+                                   "are computed again in the backward pass, and a sequence (per cp device) of at "
+                                   "most this many positions takes the plain loss (0: always plain)",
                              resume=Allowed("memory/speed only, same function"))
     mlp_chunk: int = option(4096, "positions per chunk of the MLP (per device of the cp axis) when a sequence is "
                                   "longer (0: never chunk)",
