@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxmodel.attention import attention
+from jaxmodel.sharding import Rules
 
 AXIS = "cp"
 
@@ -84,3 +85,13 @@ def context_parallel_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax
     # that do; the replication checker would need every initial carry cast by hand.
     return jax.shard_map(local, in_specs=(spec,) * 4, out_specs=spec, axis_names={AXIS}, check_vma=False)(
         q_btnh, k_btkh, v_btkh, segment_ids_bt)
+
+
+def rows_over_cp(rules: Rules) -> Rules:
+    """`rules` for `[batch x cp, seq / cp]` rows, each device's part of a sequence made a row of its own (as the
+    losses take them: a sum over tokens does not care about their order): the rows split over the batch axes
+    and `cp`, each row whole."""
+    table = dict(rules)
+    batch = table.get("act_batch")
+    batch = (batch,) if isinstance(batch, str) else tuple(batch or ())
+    return tuple(rules) + (("act_batch", (*batch, "cp")), ("act_seq", None))

@@ -80,63 +80,70 @@ def frozen_head_cross_entropy_sums(h_btd: jax.Array, w_vd: jax.Array, targets_bt
                                    chunk: int, rules: Rules = DEFAULT_RULES,
                                    device_rows: int = FROZEN_HEAD_DEVICE_ROWS) -> tuple[jax.Array, jax.Array]:
     """`cross_entropy_sums(einsum_acc32("btd,vd->btv", h_btd, w_vd), targets_bt, mask_bt)` for a head weight that
-    is not trained, at most `chunk` sequence positions at a time, each chunk's logits computed once; fewer
+    is not trained, from `frozen_head_token_losses` (its chunks, its single computation of the logits)."""
+    losses_bt = frozen_head_token_losses(h_btd, w_vd, targets_bt, chunk=chunk, rules=rules, device_rows=device_rows)
+    return jnp.sum(losses_bt * mask_bt), jnp.sum(mask_bt)
+
+
+def frozen_head_token_losses(h_btd: jax.Array, w_vd: jax.Array, targets_bt: jax.Array, *, chunk: int,
+                             rules: Rules = DEFAULT_RULES, device_rows: int = FROZEN_HEAD_DEVICE_ROWS) -> jax.Array:
+    """`token_losses(einsum_acc32("btd,vd->btv", h_btd, w_vd), targets_bt)`, float32 `[b, t]`, for a head weight
+    that is not trained, at most `chunk` sequence positions at a time, each chunk's logits computed once; fewer
     positions when a device's part of a chunk (its batch rows x the positions) would pass `device_rows`.
 
-    A custom VJP: when differentiated, the forward pass computes chunk by chunk the logits, the loss and its
-    gradient with respect to the hidden states, `((softmax - one-hot) x mask) @ w` (the `[b, c, v]` factor
-    rounded to w's dtype before the product, as `einsum_acc32`'s own gradient does), and keeps only that
-    gradient, `[b, t, d]` like h; the backward pass scales it by the loss's cotangent. So no logits are kept
-    for the backward pass nor computed again there, where `chunked_cross_entropy_sums` computes every chunk's
-    logits twice and the plain loss keeps all of them. `w_vd` gets no gradient (it passes `stop_gradient`).
-    Chunks, padding and `rules` as in `chunked_cross_entropy_sums`.
+    A custom VJP: when differentiated, the forward pass computes chunk by chunk the logits, each position's loss
+    and its gradient with respect to that position's hidden state, `(softmax - one-hot) @ w` (the `[b, c, v]`
+    factor rounded to w's dtype before the product, as `einsum_acc32`'s own gradient does), and keeps only
+    those gradients, `[b, t, d]` like h; the backward pass scales each by its position's cotangent. So no logits
+    are kept for the backward pass nor computed again there, where `chunked_cross_entropy_sums` computes every
+    chunk's logits twice and the plain loss keeps all of them. `w_vd` gets no gradient (it passes
+    `stop_gradient`). Chunks, padding and `rules` as in `chunked_cross_entropy_sums`.
     """
     _check_chunk(chunk)
     rows = h_btd.shape[0] // split_ways("act_batch", h_btd.shape[0], rules)
     chunk = min(chunk, max(1, device_rows // rows))
-    return _frozen_head_loss_sum(h_btd, jax.lax.stop_gradient(w_vd), targets_bt, mask_bt, chunk,
-                                 tuple(rules)), jnp.sum(mask_bt)
+    return _frozen_head_losses(h_btd, jax.lax.stop_gradient(w_vd), targets_bt, chunk, tuple(rules))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _frozen_head_loss_sum(h_btd, w_vd, targets_bt, mask_bt, chunk: int, rules: Rules) -> jax.Array:
-    return _frozen_head_walk(h_btd, w_vd, targets_bt, mask_bt, chunk, rules, with_gradient=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _frozen_head_losses(h_btd, w_vd, targets_bt, chunk: int, rules: Rules) -> jax.Array:
+    return _frozen_head_walk(h_btd, w_vd, targets_bt, chunk, rules, with_gradient=False)[0]
 
 
-def _frozen_head_fwd(h_btd, w_vd, targets_bt, mask_bt, chunk: int, rules: Rules):
-    return _frozen_head_walk(h_btd, w_vd, targets_bt, mask_bt, chunk, rules, with_gradient=True)
+def _frozen_head_fwd(h_btd, w_vd, targets_bt, chunk: int, rules: Rules):
+    return _frozen_head_walk(h_btd, w_vd, targets_bt, chunk, rules, with_gradient=True)
 
 
-def _frozen_head_bwd(chunk: int, rules: Rules, dh_btd, g):
-    return dh_btd * g.astype(dh_btd.dtype), None, None, None
+def _frozen_head_bwd(chunk: int, rules: Rules, dh_btd, g_bt):
+    return dh_btd * g_bt[..., None].astype(dh_btd.dtype), None, None
 
 
-_frozen_head_loss_sum.defvjp(_frozen_head_fwd, _frozen_head_bwd)
+_frozen_head_losses.defvjp(_frozen_head_fwd, _frozen_head_bwd)
 
 
-def _frozen_head_walk(h_btd, w_vd, targets_bt, mask_bt, chunk: int, rules: Rules, *, with_gradient: bool):
-    """(loss sum, d loss sum / d h or None) over the chunks of the sequence, in one scan."""
+def _frozen_head_walk(h_btd, w_vd, targets_bt, chunk: int, rules: Rules, *, with_gradient: bool):
+    """(token losses, d loss_t / d h_t or None) over the chunks of the sequence, in one scan."""
     b, t = h_btd.shape[:2]
     by_chunk, chunk = _chunking(t, chunk, rules)
-    xs = (by_chunk(h_btd, ("act_embed",)), by_chunk(targets_bt, ()), by_chunk(mask_bt, ()))
 
-    def step(loss_sum, xs_chunk):
-        h_bcd, targets_bc, mask_bc = xs_chunk
+    def step(_, xs_chunk):
+        h_bcd, targets_bc = xs_chunk
         logits_bcv = constrain(einsum_acc32("bcd,vd->bcv", h_bcd, w_vd), ("act_batch", "act_seq", "act_vocab"),
                                rules)
         log_z_bc, target_logit_bc, one_hot_bcv = _log_z_and_target_logit(logits_bcv, targets_bc)
-        loss_sum = loss_sum + jnp.sum((log_z_bc - target_logit_bc) * mask_bc)
+        losses_bc = log_z_bc - target_logit_bc
         if not with_gradient:
-            return loss_sum, None
-        dlogits_bcv = (jnp.exp(logits_bcv - log_z_bc[..., None]) - one_hot_bcv) * mask_bc[..., None]
+            return None, (losses_bc, None)
+        dlogits_bcv = jnp.exp(logits_bcv - log_z_bc[..., None]) - one_hot_bcv
         dh_bcd = gradient_einsum("bcv,vd->bcd", dlogits_bcv.astype(w_vd.dtype), w_vd).astype(h_bcd.dtype)
-        return loss_sum, constrain(dh_bcd, ("act_batch", "act_seq", "act_embed"), rules)
+        return None, (losses_bc, constrain(dh_bcd, ("act_batch", "act_seq", "act_embed"), rules))
 
-    loss_sum, dh_nbcd = jax.lax.scan(step, jnp.zeros((), jnp.float32), xs)
+    _, (losses_nbc, dh_nbcd) = jax.lax.scan(step, None, (by_chunk(h_btd, ("act_embed",)), by_chunk(targets_bt, ())))
+    losses_bt = losses_nbc.swapaxes(0, 1).reshape(b, -1)[:, :t]
     if not with_gradient:
-        return loss_sum, None
+        return losses_bt, None
     dh_btd = dh_nbcd.swapaxes(0, 1).reshape(b, -1, h_btd.shape[2])[:, :t]
-    return loss_sum, constrain(dh_btd, ("act_batch", "act_seq", "act_embed"), rules)
+    return losses_bt, constrain(dh_btd, ("act_batch", "act_seq", "act_embed"), rules)
 
 
 def _check_chunk(chunk: int) -> None:

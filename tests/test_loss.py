@@ -10,8 +10,8 @@ Behaviour checked:
 - its compiled gradient needs less temporary memory than one float32 logits array where the reference
   needs three, growing with the sequence by about one hidden-state row per position;
 - sharding the batch (and the vocabulary) over 8 devices changes nothing but the layout;
-- the frozen-head loss equals the full-logits reference in value and in d/dh, for any cotangent, within 1e-5
-  relative in float32 and one bfloat16 step in bfloat16, gives the head weight no gradient, computes the head's
+- the frozen-head loss equals the full-logits reference in value and in d/dh, for any cotangent (per token, as
+  the preference objectives weigh each position's log-probability), within 1e-5 relative in float32 and one bfloat16 step in bfloat16, gives the head weight no gradient, computes the head's
   matmul twice (the logits, d/dh) where the chunked loss does three times, needs less temporary memory than one
   logits array, caps a chunk at `device_rows` rows of each device's part of the batch, and is what finetune's
   `loss_sums` takes for a head without LoRA, sharded or not.
@@ -37,7 +37,8 @@ from jaxprs import count_eqns
 from jaxmodel import LlamaConfig, LlamaForCausalLM
 from jaxmodel.layers import LoRAParam
 from jaxmodel.lora import LoraConfig, apply_lora
-from jaxmodel.loss import chunked_cross_entropy_sums, cross_entropy_sums, frozen_head_cross_entropy_sums
+from jaxmodel.loss import (chunked_cross_entropy_sums, cross_entropy_sums, frozen_head_cross_entropy_sums,
+                           frozen_head_token_losses, token_losses)
 
 F32_RTOL = 1e-5
 BF16_UNIT_ROUNDOFF = 2.0 ** -8  # 8 significand bits, round to nearest
@@ -402,6 +403,31 @@ def test_frozen_head_equals_full_logits_in_bfloat16(p: Problem):
     scale = np.max(np.abs(np.asarray(want_dh, np.float64)), initial=0.0)
     np.testing.assert_allclose(np.asarray(dh, np.float64), np.asarray(want_dh, np.float64), rtol=2.0 ** -7,
                                atol=2 * BF16_UNIT_ROUNDOFF * scale)
+
+
+@settings(max_examples=8)
+@example(Problem(batch=2, seq=13, chunk=4, vocab=9, hidden=5, rank=1, zero_rows=(True, False), seed=1))
+@given(problems())
+@pytest.mark.slow
+def test_frozen_head_token_losses_and_their_gradient_under_any_cotangent_are_the_plain_ones(p: Problem):
+    """Each position's loss, and d (sum of c_t x loss_t) / dh for drawn weights c (of either sign: the
+    preference objectives' cotangents), within 1e-5 relative in float32."""
+    x = frozen_arrays(p)
+    c_bt = jnp.asarray(np.random.default_rng(p.seed + 1).normal(size=(p.batch, p.seq)), jnp.float32)
+
+    def plain(h):
+        return token_losses(jnp.einsum("btd,vd->btv", h, x["w"], preferred_element_type=jnp.float32), x["targets"])
+
+    def frozen(h):
+        return frozen_head_token_losses(h, x["w"], x["targets"], chunk=p.chunk)
+
+    def weighted_sum_and_grad(fn):
+        return jax.jit(jax.value_and_grad(lambda h: jnp.sum(fn(h) * c_bt)))(x["h"])
+
+    assert_close(jax.jit(frozen)(x["h"]), jax.jit(plain)(x["h"]))
+    (got, got_dh), (want, want_dh) = weighted_sum_and_grad(frozen), weighted_sum_and_grad(plain)
+    assert_close(got, want)
+    assert_close(got_dh, want_dh)
 
 
 def compiled_dots(loss_fn, *args) -> int:

@@ -4,13 +4,16 @@ two processes, and export-peft of a preference run."""
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from finetune.step.preference import token_logps
 from finetune.train.batches import pair_batch
 from finetune.train.build import setup
 from finetune.train.loop import run_training
+from jaxmodel.layers import LoRAParam
 from test_preference_training import addition_pairs, config, step_on
 
 
@@ -22,16 +25,39 @@ def pairs_file(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_chunked_lm_head_gives_the_plain_token_logps(tmp_path, tiny_converted, pairs_file):
+def test_chunked_lm_head_gives_the_plain_token_logps_and_their_lora_gradients(tmp_path, tiny_converted, pairs_file,
+                                                                              monkeypatch):
+    """The frozen head's chunks (the tiny model has no LoRA on lm_head): the log-probabilities, and the LoRA
+    gradient of a weighted sum of them (weights of either sign, as DPO's), equal the plain head's."""
+    import finetune.step.preference as preference
+
+    calls = []
+    frozen = preference.frozen_head_token_losses
+    monkeypatch.setattr(preference, "frozen_head_token_losses", lambda *a, **k: calls.append(k) or frozen(*a, **k))
     run = setup(config(tiny_converted, pairs_file, tmp_path / "run", pack=True))
-    model = run.model
+    graphdef, lora, base = nnx.split(run.model, LoRAParam, ...)
+    lora = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), lora)
     with jax.set_mesh(run.mesh):
         batch = pair_batch(run.train_rows, run.batch_sharding, 0)
-        plain = jax.jit(lambda b: token_logps(model, b, chunk=0)[0])(batch)
-        chunked = jax.jit(lambda b: token_logps(model, b, chunk=7)[0])(batch)  # 32 positions: a ragged last chunk
+        weights = jnp.asarray(np.random.default_rng(0).normal(size=batch["loss_mask"].shape), jnp.float32)
+
+        def logps(lora, chunk):
+            return token_logps(nnx.merge(graphdef, base, lora), batch, chunk=chunk)[0]
+
+        def weighted_sum(lora, chunk):
+            return jnp.sum(jnp.where(batch["loss_mask"] > 0, logps(lora, chunk) * weights, 0.0))
+
+        plain, chunked = (jax.jit(logps, static_argnums=1)(lora, chunk) for chunk in (0, 7))  # 7: a ragged last chunk
+        grads = [jax.jit(jax.grad(weighted_sum), static_argnums=1)(lora, chunk) for chunk in (0, 7)]
+    assert [k["chunk"] for k in calls] == [7, 7]
     mask = np.asarray(batch["loss_mask"]) > 0
     assert mask.sum() > 16
     np.testing.assert_allclose(np.asarray(chunked)[mask], np.asarray(plain)[mask], rtol=1e-6, atol=1e-6)
+    for (name, want), (_, got) in zip(nnx.to_flat_state(grads[0]), nnx.to_flat_state(grads[1])):
+        scale = float(jnp.max(jnp.abs(want[...])))
+        assert scale > 0, name
+        np.testing.assert_allclose(np.asarray(got[...]), np.asarray(want[...]), rtol=0, atol=1e-5 * scale,
+                                   err_msg=str(name))
 
 
 @pytest.fixture(scope="module")

@@ -39,9 +39,9 @@ from jaxmodel.quantization import Quantization
 from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, named_sharding
 
 GB = 1e9
-# Added to the compiler's temporaries: the largest shortfall of the compiler's total against the measured
-# memory of the same runs (bench/plan_accuracy.py, docs/benchmarks.md "Plan accuracy").
-TEMPORARIES_MARGIN = 0.20
+# Added to the compiler's temporaries: above the largest shortfall of the compiler's total against the measured
+# memory of the same runs, 20% of the temporaries (bench/plan_accuracy.py, docs/benchmarks.md "Plan accuracy").
+TEMPORARIES_MARGIN = 0.25
 
 
 @dataclasses.dataclass

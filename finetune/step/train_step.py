@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from finetune.config import TrainConfig
 from finetune.step.preference import Objective, pair_losses, sequence_sums, token_logps
-from jaxmodel.context_parallel import cp_size
+from jaxmodel.context_parallel import cp_size, rows_over_cp
 from jaxmodel.layers import LoRAParam
 from jaxmodel.loss import chunked_cross_entropy_sums, cross_entropy_sums, frozen_head_cross_entropy_sums
 from jaxmodel.sharding import Rules, batch_sharding
@@ -81,21 +81,13 @@ def loss_sums(model, batch: dict[str, jax.Array], dropout_key=None, chunk: int =
         b, t, _ = h_btd.shape
         cp = cp_size()
         h_btd, targets_bt, mask_bt = (x.reshape(b * cp, t // cp, *x.shape[2:]) for x in (h_btd, targets_bt, mask_bt))
-        rules = _rows_over_cp(rules)
+        rules = rows_over_cp(rules)
     w_vd = model.frozen_head_weight() if chunk else None
     if w_vd is not None:
         return frozen_head_cross_entropy_sums(h_btd, w_vd, targets_bt, mask_bt, chunk=chunk, rules=rules)
     if not chunk or chunk >= h_btd.shape[1]:  # one chunk: the plain loss needs fewer temporaries
         return cross_entropy_sums(model.head(h_btd), targets_bt, mask_bt)
     return chunked_cross_entropy_sums(model.head, h_btd, targets_bt, mask_bt, chunk=chunk, rules=rules)
-
-
-def _rows_over_cp(rules: Rules) -> Rules:
-    """`rules` for `[batch x cp, seq / cp]` rows: the rows split over the batch axes and `cp`, each row whole."""
-    table = dict(rules)
-    batch = table.get("act_batch")
-    batch = (batch,) if isinstance(batch, str) else tuple(batch or ())
-    return tuple(rules) + (("act_batch", (*batch, "cp")), ("act_seq", None))
 
 
 def loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, batch: dict[str, jax.Array], grad_accum: int = 1,
