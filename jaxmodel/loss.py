@@ -17,7 +17,7 @@ from jaxmodel.sharding import DEFAULT_RULES, Rules, constrain, split_ways
 
 # Rows (positions x batch rows) a device computes logits for at once in the frozen-head loss. Why so few: each
 # chunk's logits are fresh memory, and the step ran fastest with 256 or 512 rows (SmolLM2-135M's shape, vocab
-# 49,152, on a 2-core Xeon; docs/benchmarks.md). A matmul of 512 rows by the whole vocabulary still fills a GPU.
+# 49,152, on a 2-core Xeon; docs/benchmarks.md). At 405B's width a chunk's head matmul is still 2.2 TFLOP.
 FROZEN_HEAD_DEVICE_ROWS = 512
 
 HeadFn = Callable[[jax.Array], jax.Array]  # hidden states [b, c, d] -> float32 logits [b, c, v]
