@@ -62,10 +62,10 @@ def token_logps(model, batch: dict[str, jax.Array], dropout_key=None, chunk: int
     `[rows, seq, vocab]` logits are never held at once: a frozen head (no LoRA on `lm_head`) computes each chunk's
     logits once (`jaxmodel.loss.frozen_head_token_losses`), one with LoRA in a scan whose body is rematerialised.
     A shorter sequence takes the plain head: with the policy's and the reference's passes in one step, 405B's
-    DPO plan at 8 pairs x 2048 (fsdp=8, remat full) needs 4.3 GB fewer temporaries so than in frozen-head chunks,
-    for reasons not yet found (docs/design.md, "Long sequences"). Under context parallelism
-    the positions come in the cp order and each device's part of a row becomes a row of its own (sums over slots
-    do not care)."""
+    DPO plan at 8 pairs x 2048 (fsdp=8, remat full) needs 4.3 GB fewer temporaries with it than with the frozen
+    head's chunks, for reasons not yet found (docs/design.md, "Long sequences"). Under context parallelism the
+    positions come in the cp order and each device's part of a row becomes a row of its own (sums over slots do
+    not care)."""
     h_btd = model.hidden_states(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
                                 dropout_key=dropout_key)
     targets_bt, mask_bt, slots_bt = batch["targets"], batch["loss_mask"], batch["sequence"]
