@@ -102,7 +102,9 @@ def frozen_head_token_losses(h_btd: jax.Array, w_vd: jax.Array, targets_bt: jax.
     _check_chunk(chunk)
     rows = h_btd.shape[0] // split_ways("act_batch", h_btd.shape[0], rules)
     chunk = min(chunk, max(1, device_rows // rows))
-    return _frozen_head_losses(h_btd, jax.lax.stop_gradient(w_vd), targets_bt, chunk, tuple(rules))
+    # The weight whole along d before the scan, where the policy's and the reference's passes share one gather
+    w_vd = constrain(jax.lax.stop_gradient(w_vd), ("act_vocab", "act_embed"), rules)
+    return _frozen_head_losses(h_btd, w_vd, targets_bt, chunk, tuple(rules))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

@@ -58,14 +58,12 @@ def token_logps(model, batch: dict[str, jax.Array], dropout_key=None, chunk: int
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(log p(target) [rows, seq] float32, loss mask, sequence slots) with the positions in the model's order.
 
-    With `chunk`, a sequence longer than that runs the LM head over chunks of at most that many positions, so
-    `[rows, seq, vocab]` logits are never held at once: a frozen head (no LoRA on `lm_head`) computes each chunk's
-    logits once (`jaxmodel.loss.frozen_head_token_losses`), one with LoRA in a scan whose body is rematerialised.
-    A shorter sequence takes the plain head: with the policy's and the reference's passes in one step, 405B's
-    DPO plan at 8 pairs x 2048 (fsdp=8, remat full) needs 4.3 GB fewer temporaries with it than with the frozen
-    head's chunks, for reasons not yet found (docs/design.md, "Long sequences"). Under context parallelism the
-    positions come in the cp order and each device's part of a row becomes a row of its own (sums over slots do
-    not care)."""
+    With `chunk`, the LM head runs over chunks of at most that many positions, so `[rows, seq, vocab]` logits are
+    never held at once: a frozen head (no LoRA on `lm_head`) computes each chunk's logits once
+    (`jaxmodel.loss.frozen_head_token_losses`, a sequence of any length); one with LoRA runs a scan whose body is
+    rematerialised, and a sequence of at most `chunk` positions takes the plain head. Under context parallelism
+    the positions come in the cp order and each device's part of a row becomes a row of its own (sums over slots
+    do not care)."""
     h_btd = model.hidden_states(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
                                 dropout_key=dropout_key)
     targets_bt, mask_bt, slots_bt = batch["targets"], batch["loss_mask"], batch["sequence"]
@@ -76,13 +74,13 @@ def token_logps(model, batch: dict[str, jax.Array], dropout_key=None, chunk: int
         cp = cp_size()
         h_btd, targets_bt, mask_bt, slots_bt = (x.reshape(b * cp, t // cp, *x.shape[2:])
                                                 for x in (h_btd, targets_bt, mask_bt, slots_bt))
-    t = h_btd.shape[1]
-    if not chunk or chunk >= t:
-        return -token_losses(model.head(h_btd), targets_bt), mask_bt, slots_bt
-    w_vd = model.frozen_head_weight()
+    w_vd = model.frozen_head_weight() if chunk else None
     if w_vd is not None:
         rules = model.rules if order is None else rows_over_cp(model.rules)
         return -frozen_head_token_losses(h_btd, w_vd, targets_bt, chunk=chunk, rules=rules), mask_bt, slots_bt
+    t = h_btd.shape[1]
+    if not chunk or chunk >= t:
+        return -token_losses(model.head(h_btd), targets_bt), mask_bt, slots_bt
     n = -(-t // chunk)
     pad = n * chunk - t
     h_nbcd = jnp.pad(h_btd, [(0, 0), (0, pad), (0, 0)]).reshape(h_btd.shape[0], n, chunk, -1).swapaxes(0, 1)
