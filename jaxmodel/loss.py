@@ -47,33 +47,41 @@ def _log_z_and_target_logit(logits_bcv: jax.Array, targets_bc: jax.Array):
 
 def chunked_cross_entropy_sums(head_fn: HeadFn, h_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array, *,
                                chunk: int, rules: Rules = DEFAULT_RULES) -> tuple[jax.Array, jax.Array]:
-    """`cross_entropy_sums(head_fn(h_btd), targets_bt, mask_bt)`, `chunk` sequence positions at a time.
+    """`cross_entropy_sums(head_fn(h_btd), targets_bt, mask_bt)`, `chunk` sequence positions at a time
+    (`chunked_token_losses`)."""
+    losses_bt = chunked_token_losses(head_fn, h_btd, targets_bt, chunk=chunk, rules=rules)
+    return jnp.sum(losses_bt * mask_bt), jnp.sum(mask_bt)
+
+
+def chunked_token_losses(head_fn: HeadFn, h_btd: jax.Array, targets_bt: jax.Array, *, chunk: int,
+                         rules: Rules = DEFAULT_RULES) -> jax.Array:
+    """`token_losses(head_fn(h_btd), targets_bt)`, float32 `[b, t]`, `chunk` sequence positions at a time.
 
     `head_fn` maps hidden states `[b, c, d]` to logits `[b, c, v]`; it may close over anything being
     differentiated (an NNX module merged from a traced state, LoRA matrices): the chunks run in a
     `jax.lax.scan` of a `jax.checkpoint`ed step, so the backward pass recomputes one chunk's logits at a
     time and the closed-over values get their gradients as usual. The batch axis stays whole in every
     chunk, so a batch split over devices stays split. A sequence not divisible by `chunk` is padded with
-    zero hidden states and mask 0 (`head_fn` must give finite logits for a zero row, as a linear head does).
-    Under a mesh, `rules` pins each chunk like the model's activations (batch on dp/fsdp, vocab on mp).
-    A closed-over bfloat16 weight's gradient is summed over chunks in bfloat16 (one rounding per chunk).
+    zero hidden states (`head_fn` must give finite logits for a zero row, as a linear head does); the padded
+    positions' losses are dropped. Under a mesh, `rules` pins each chunk like the model's activations (batch
+    on dp/fsdp, vocab on mp). A closed-over bfloat16 weight's gradient is summed over chunks in bfloat16 (one
+    rounding per chunk).
     """
     _check_chunk(chunk)
     by_chunk, chunk = _chunking(h_btd.shape[1], chunk, rules)
-    xs = (by_chunk(h_btd, ("act_embed",)), by_chunk(targets_bt, ()), by_chunk(mask_bt, ()))
 
     # Saves only the step's inputs: the backward pass recomputes the chunk's logits from h and the head.
     # Inside a scan the loop itself keeps XLA from merging the recomputation with the forward pass.
     @functools.partial(jax.checkpoint, prevent_cse=False)
-    def chunk_loss_sum(h_bcd, targets_bc, mask_bc):
+    def chunk_losses(h_bcd, targets_bc):
         logits_bcv = constrain(head_fn(h_bcd), ("act_batch", "act_seq", "act_vocab"), rules)
-        return jnp.sum(token_losses(logits_bcv, targets_bc) * mask_bc)
+        return token_losses(logits_bcv, targets_bc)
 
-    def step(loss_sum, xs_chunk):
-        return loss_sum + chunk_loss_sum(*xs_chunk), None
+    def step(_, xs_chunk):
+        return None, chunk_losses(*xs_chunk)
 
-    loss_sum, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), xs)
-    return loss_sum, jnp.sum(mask_bt)
+    _, losses_nbc = jax.lax.scan(step, None, (by_chunk(h_btd, ("act_embed",)), by_chunk(targets_bt, ())))
+    return _unchunked(losses_nbc, h_btd.shape[1])
 
 
 def frozen_head_cross_entropy_sums(h_btd: jax.Array, w_vd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array, *,
@@ -125,7 +133,7 @@ _frozen_head_losses.defvjp(_frozen_head_fwd, _frozen_head_bwd)
 
 def _frozen_head_walk(h_btd, w_vd, targets_bt, chunk: int, rules: Rules, *, with_gradient: bool):
     """(token losses, d loss_t / d h_t or None) over the chunks of the sequence, in one scan."""
-    b, t = h_btd.shape[:2]
+    t = h_btd.shape[1]
     by_chunk, chunk = _chunking(t, chunk, rules)
 
     def step(_, xs_chunk):
@@ -141,11 +149,10 @@ def _frozen_head_walk(h_btd, w_vd, targets_bt, chunk: int, rules: Rules, *, with
         return None, (losses_bc, constrain(dh_bcd, ("act_batch", "act_seq", "act_embed"), rules))
 
     _, (losses_nbc, dh_nbcd) = jax.lax.scan(step, None, (by_chunk(h_btd, ("act_embed",)), by_chunk(targets_bt, ())))
-    losses_bt = losses_nbc.swapaxes(0, 1).reshape(b, -1)[:, :t]
+    losses_bt = _unchunked(losses_nbc, t)
     if not with_gradient:
         return losses_bt, None
-    dh_btd = dh_nbcd.swapaxes(0, 1).reshape(b, -1, h_btd.shape[2])[:, :t]
-    return losses_bt, constrain(dh_btd, ("act_batch", "act_seq", "act_embed"), rules)
+    return losses_bt, constrain(_unchunked(dh_nbcd, t), ("act_batch", "act_seq", "act_embed"), rules)
 
 
 def _check_chunk(chunk: int) -> None:
@@ -167,3 +174,9 @@ def _chunking(t: int, chunk: int, rules: Rules):
         return constrain(x_nbc, (None, "act_batch", "act_seq", *axes), rules)
 
     return by_chunk, chunk
+
+
+def _unchunked(x_nbc: jax.Array, t: int) -> jax.Array:
+    """`[n, b, chunk, ...]` back to `[b, t, ...]`, the padding dropped: `_chunking`'s layout undone."""
+    n, b, chunk = x_nbc.shape[:3]
+    return x_nbc.swapaxes(0, 1).reshape(b, n * chunk, *x_nbc.shape[3:])[:, :t]

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from finetune.config import TrainConfig
 from jaxmodel.context_parallel import cp_size, rows_over_cp
-from jaxmodel.loss import frozen_head_token_losses, token_losses
+from jaxmodel.loss import chunked_token_losses, frozen_head_token_losses, token_losses
 
 OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
 LN2 = math.log(2.0)
@@ -61,9 +61,9 @@ def token_logps(model, batch: dict[str, jax.Array], dropout_key=None, chunk: int
     With `chunk`, the LM head runs over chunks of at most that many positions, so `[rows, seq, vocab]` logits are
     never held at once: a frozen head (no LoRA on `lm_head`) computes each chunk's logits once
     (`jaxmodel.loss.frozen_head_token_losses`, a sequence of any length); one with LoRA runs a scan whose body is
-    rematerialised, and a sequence of at most `chunk` positions takes the plain head. Under context parallelism
-    the positions come in the cp order and each device's part of a row becomes a row of its own (sums over slots
-    do not care)."""
+    rematerialised (`jaxmodel.loss.chunked_token_losses`), and a sequence of at most `chunk` positions takes the
+    plain head. Under context parallelism the positions come in the cp order and each device's part of a row
+    becomes a row of its own (sums over slots do not care)."""
     h_btd = model.hidden_states(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
                                 dropout_key=dropout_key)
     targets_bt, mask_bt, slots_bt = batch["targets"], batch["loss_mask"], batch["sequence"]
@@ -74,26 +74,13 @@ def token_logps(model, batch: dict[str, jax.Array], dropout_key=None, chunk: int
         cp = cp_size()
         h_btd, targets_bt, mask_bt, slots_bt = (x.reshape(b * cp, t // cp, *x.shape[2:])
                                                 for x in (h_btd, targets_bt, mask_bt, slots_bt))
+    rules = model.rules if order is None else rows_over_cp(model.rules)
     w_vd = model.frozen_head_weight() if chunk else None
     if w_vd is not None:
-        rules = model.rules if order is None else rows_over_cp(model.rules)
         return -frozen_head_token_losses(h_btd, w_vd, targets_bt, chunk=chunk, rules=rules), mask_bt, slots_bt
-    t = h_btd.shape[1]
-    if not chunk or chunk >= t:
+    if not chunk or chunk >= h_btd.shape[1]:
         return -token_losses(model.head(h_btd), targets_bt), mask_bt, slots_bt
-    n = -(-t // chunk)
-    pad = n * chunk - t
-    h_nbcd = jnp.pad(h_btd, [(0, 0), (0, pad), (0, 0)]).reshape(h_btd.shape[0], n, chunk, -1).swapaxes(0, 1)
-    y_nbc = jnp.pad(targets_bt, [(0, 0), (0, pad)]).reshape(h_btd.shape[0], n, chunk).swapaxes(0, 1)
-
-    @jax.checkpoint
-    def one_chunk(xs):
-        h_bcd, y_bc = xs
-        return -token_losses(model.head(h_bcd), y_bc)
-
-    logp_nbc = jax.lax.map(one_chunk, (h_nbcd, y_nbc))
-    logp_bt = logp_nbc.swapaxes(0, 1).reshape(h_btd.shape[0], n * chunk)[:, :t]
-    return logp_bt, mask_bt, slots_bt
+    return -chunked_token_losses(model.head, h_btd, targets_bt, chunk=chunk, rules=rules), mask_bt, slots_bt
 
 
 def sequence_sums(logp_bt: jax.Array, mask_bt: jax.Array, slots_bt: jax.Array,
