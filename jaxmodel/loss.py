@@ -105,7 +105,7 @@ def frozen_head_token_losses(h_btd: jax.Array, w_vd: jax.Array, targets_bt: jax.
     those gradients, `[b, t, d]` like h; the backward pass scales each by its position's cotangent. So no logits
     are kept for the backward pass nor computed again there, where `chunked_cross_entropy_sums` computes every
     chunk's logits twice and the plain loss keeps all of them. `w_vd` gets no gradient (it passes
-    `stop_gradient`). Chunks, padding and `rules` as in `chunked_cross_entropy_sums`.
+    `stop_gradient`). Chunks, padding and `rules` as in `chunked_token_losses`.
     """
     _check_chunk(chunk)
     rows = h_btd.shape[0] // split_ways("act_batch", h_btd.shape[0], rules)
