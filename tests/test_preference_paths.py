@@ -2,6 +2,7 @@
 two processes, and export-peft of a preference run."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -29,11 +30,11 @@ def test_chunked_lm_head_gives_the_plain_token_logps_and_their_lora_gradients(tm
                                                                               monkeypatch):
     """The frozen head's chunks (the tiny model has no LoRA on lm_head): the log-probabilities, and the LoRA
     gradient of a weighted sum of them (weights of either sign, as DPO's), equal the plain head's."""
-    import finetune.step.preference as preference
+    import finetune.step.lm_head as lm_head
 
     calls = []
-    frozen = preference.frozen_head_token_losses
-    monkeypatch.setattr(preference, "frozen_head_token_losses", lambda *a, **k: calls.append(k) or frozen(*a, **k))
+    frozen = lm_head.frozen_head_token_losses
+    monkeypatch.setattr(lm_head, "frozen_head_token_losses", lambda *a, **k: calls.append(k) or frozen(*a, **k))
     run = setup(config(tiny_converted, pairs_file, tmp_path / "run", pack=True))
     graphdef, lora, base = nnx.split(run.model, LoRAParam, ...)
     lora = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), lora)
@@ -126,3 +127,26 @@ def test_plan_compiles_the_preference_step(tmp_path, objective, reference):
                   cpu_bf16_figure=False)
     assert f"objective {objective}: 8 pairs in 16 rows a step" in str(report) and f"reference {reference}" in str(report)
     assert report.batch > sft.batch  # the same rows, and each token's sequence slot
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_a_dpo_step_gathers_the_frozen_head_weight_once_for_the_policy_and_the_reference(tmp_path, remat):
+    """Split over fsdp=8, the head weight is all-gathered whole once a step: the policy's and the reference's frozen
+    head losses (and a recomputation under remat) share that gather rather than each gathering it in its chunks
+    (there the weight is `[vocab, hidden]` as well: three such gathers, the embedding table's included)."""
+    from finetune.config import TrainConfig
+    from finetune.planning.plan import _compile
+    from finetune.step.mesh import make_mesh
+    from jaxmodel.config import LlamaConfig
+
+    vocab, hidden = 512, 64
+    hf = {"model_type": "llama", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    cfg = TrainConfig(plan=True, model_config=str(tmp_path / "config.json"), mesh="dp=1,fsdp=8,mp=1", seq_len=64,
+                      loss_chunk=16, batch_size=8, objective="dpo", remat=remat, hbm_gb=1, dtype="float32").validate()
+    compiled, _ = _compile(cfg, LlamaConfig.from_hf(tmp_path), make_mesh(cfg.mesh, jax.devices()), np.float32,
+                           np.float32)
+    gathers = re.findall(r"= f32\[([\d,]*)\][^ ]* all-gather(?:-start)?\(", compiled.as_text())
+    # the embedding table's gather (whole along the hidden dimension for its lookup) and the head weight's
+    assert gathers.count(f"{vocab},{hidden}") == 2, gathers

@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from finetune.config import TrainConfig
-from jaxmodel.context_parallel import cp_size, rows_over_cp
-from jaxmodel.loss import chunked_token_losses, frozen_head_token_losses, token_losses
+from finetune.step.lm_head import batch_token_losses
 
 OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
 LN2 = math.log(2.0)
@@ -56,31 +55,11 @@ class Objective:
 
 def token_logps(model, batch: dict[str, jax.Array], dropout_key=None, chunk: int = 0
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(log p(target) [rows, seq] float32, loss mask, sequence slots) with the positions in the model's order.
-
-    With `chunk`, the LM head runs over chunks of at most that many positions, so `[rows, seq, vocab]` logits are
-    never held at once: a frozen head (no LoRA on `lm_head`) computes each chunk's logits once
-    (`jaxmodel.loss.frozen_head_token_losses`, a sequence of any length); one with LoRA runs a scan whose body is
-    rematerialised (`jaxmodel.loss.chunked_token_losses`), and a sequence of at most `chunk` positions takes the
-    plain head. Under context parallelism the positions come in the cp order and each device's part of a row
-    becomes a row of its own (sums over slots do not care)."""
-    h_btd = model.hidden_states(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                                dropout_key=dropout_key)
-    targets_bt, mask_bt, slots_bt = batch["targets"], batch["loss_mask"], batch["sequence"]
-    order = model.sequence_order(h_btd.shape[1])
-    if order is not None:
-        targets_bt, mask_bt, slots_bt = (jnp.take(x, order, axis=1) for x in (targets_bt, mask_bt, slots_bt))
-        b, t, _ = h_btd.shape
-        cp = cp_size()
-        h_btd, targets_bt, mask_bt, slots_bt = (x.reshape(b * cp, t // cp, *x.shape[2:])
-                                                for x in (h_btd, targets_bt, mask_bt, slots_bt))
-    rules = model.rules if order is None else rows_over_cp(model.rules)
-    w_vd = model.frozen_head_weight() if chunk else None
-    if w_vd is not None:
-        return -frozen_head_token_losses(h_btd, w_vd, targets_bt, chunk=chunk, rules=rules), mask_bt, slots_bt
-    if not chunk or chunk >= h_btd.shape[1]:
-        return -token_losses(model.head(h_btd), targets_bt), mask_bt, slots_bt
-    return -chunked_token_losses(model.head, h_btd, targets_bt, chunk=chunk, rules=rules), mask_bt, slots_bt
+    """(log p(target) [rows, seq] float32, loss mask, sequence slots) with the positions in the model's order; with
+    `chunk`, the LM head in chunks of at most that many positions (`finetune.step.lm_head.batch_token_losses`)."""
+    losses_bt, mask_bt, slots_bt = batch_token_losses(model, batch, ("loss_mask", "sequence"), dropout_key=dropout_key,
+                                                      chunk=chunk)
+    return -losses_bt, mask_bt, slots_bt
 
 
 def sequence_sums(logp_bt: jax.Array, mask_bt: jax.Array, slots_bt: jax.Array,

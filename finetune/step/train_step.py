@@ -13,10 +13,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from finetune.config import TrainConfig
+from finetune.step.lm_head import batch_token_losses
 from finetune.step.preference import Objective, pair_losses, sequence_sums, token_logps
-from jaxmodel.context_parallel import cp_size, rows_over_cp
 from jaxmodel.layers import LoRAParam
-from jaxmodel.loss import chunked_cross_entropy_sums, cross_entropy_sums, frozen_head_cross_entropy_sums
 from jaxmodel.sharding import Rules, batch_sharding
 
 BATCH_KEYS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
@@ -61,33 +60,10 @@ def make_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, o
 
 
 def loss_sums(model, batch: dict[str, jax.Array], dropout_key=None, chunk: int = 0) -> tuple[jax.Array, jax.Array]:
-    """(sum of masked next-token cross-entropy, number of target tokens) over a batch.
-
-    With `chunk`, the LM head and the loss run over chunks of at most that many positions: no `[batch, seq,
-    vocab]` logits are held at once. A frozen head (no LoRA on `lm_head`) computes each chunk's logits once
-    (`jaxmodel.loss.frozen_head_cross_entropy_sums`, a sequence of any length); one with LoRA computes them again
-    in the backward pass (`chunked_cross_entropy_sums`), and a sequence of at most `chunk` positions takes the
-    plain loss instead.
-    """
-    h_btd = model.hidden_states(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                                dropout_key=dropout_key)
-    targets_bt, mask_bt = batch["targets"], batch["loss_mask"]
-    order = model.sequence_order(h_btd.shape[1])
-    rules = model.rules
-    if order is not None:
-        # The sum over tokens does not care about their order: take the targets in the model's (cp) order,
-        # and make each device's part of the sequence rows of its own, so the chunks never cross devices.
-        targets_bt, mask_bt = jnp.take(targets_bt, order, axis=1), jnp.take(mask_bt, order, axis=1)
-        b, t, _ = h_btd.shape
-        cp = cp_size()
-        h_btd, targets_bt, mask_bt = (x.reshape(b * cp, t // cp, *x.shape[2:]) for x in (h_btd, targets_bt, mask_bt))
-        rules = rows_over_cp(rules)
-    w_vd = model.frozen_head_weight() if chunk else None
-    if w_vd is not None:
-        return frozen_head_cross_entropy_sums(h_btd, w_vd, targets_bt, mask_bt, chunk=chunk, rules=rules)
-    if not chunk or chunk >= h_btd.shape[1]:  # one chunk: the plain loss needs fewer temporaries
-        return cross_entropy_sums(model.head(h_btd), targets_bt, mask_bt)
-    return chunked_cross_entropy_sums(model.head, h_btd, targets_bt, mask_bt, chunk=chunk, rules=rules)
+    """(sum of masked next-token cross-entropy, number of target tokens) over a batch; with `chunk`, the LM head in
+    chunks of at most that many positions (`finetune.step.lm_head.batch_token_losses`)."""
+    losses_bt, mask_bt = batch_token_losses(model, batch, ("loss_mask",), dropout_key=dropout_key, chunk=chunk)
+    return jnp.sum(losses_bt * mask_bt), jnp.sum(mask_bt)
 
 
 def loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, batch: dict[str, jax.Array], grad_accum: int = 1,
