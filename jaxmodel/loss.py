@@ -20,6 +20,10 @@ from jaxmodel.sharding import DEFAULT_RULES, Rules, constrain, split_ways
 # 49,152, on a 2-core Xeon; docs/benchmarks.md). At 405B's width a chunk's head matmul is still 2.2 TFLOP.
 FROZEN_HEAD_DEVICE_ROWS = 512
 
+# XLA:CPU sums the exponentials of a row of more than this many logits several times slower than of shorter rows:
+# 512 rows of 49,152 float32 logits (SmolLM2's vocabulary) in 46 ms, in two parts of 24,576 in 6.4 ms (2-core Xeon).
+CPU_EXP_SUM_ROW = 32768
+
 HeadFn = Callable[[jax.Array], jax.Array]  # hidden states [b, c, d] -> float32 logits [b, c, v]
 
 
@@ -42,7 +46,46 @@ def _log_z_and_target_logit(logits_bcv: jax.Array, targets_bc: jax.Array):
     # The target's logit by compare-and-sum rather than a gather: elementwise work plus a sum, which a
     # vocab-split logits array partitions as is (one all-reduce); exact, as every other term is zero.
     target_logit_bc = jnp.sum(jnp.where(one_hot_bcv, logits_bcv, 0.0), axis=-1)
-    return jax.nn.logsumexp(logits_bcv, axis=-1), target_logit_bc, one_hot_bcv
+    return log_sum_exp(logits_bcv), target_logit_bc, one_hot_bcv
+
+
+def log_sum_exp(logits_bcv: jax.Array) -> jax.Array:
+    """`jax.nn.logsumexp` over the last axis; on the CPU, a row longer than CPU_EXP_SUM_ROW in parts of at most
+    that many logits, whose sums are added after."""
+    return jax.lax.platform_dependent(logits_bcv, cpu=_log_sum_exp_in_parts,
+                                      default=functools.partial(jax.nn.logsumexp, axis=-1))
+
+
+def _log_sum_exp_in_parts(logits_bcv: jax.Array) -> jax.Array:
+    v = logits_bcv.shape[-1]
+    if v <= CPU_EXP_SUM_ROW:
+        return jax.nn.logsumexp(logits_bcv, axis=-1)
+    # the shift by the maximum, as jax.nn.logsumexp: the result does not depend on it
+    max_bc = jax.lax.stop_gradient(jnp.max(logits_bcv, axis=-1))
+
+    def exp_sums(x_bc_v):  # the sums over the last axis of `x`, whose leading axes are `[b, c]`
+        shift = max_bc.reshape(*max_bc.shape, *[1] * (x_bc_v.ndim - max_bc.ndim))
+        # The barrier keeps XLA from merging these sums and the sum over them into one over the whole row.
+        return jax.lax.optimization_barrier(jnp.sum(jnp.exp(x_bc_v - shift), axis=-1))
+
+    lead = logits_bcv.shape[:-1]
+    row = _exact_part(v)
+    if row is not None:
+        sums = exp_sums(logits_bcv.reshape(*lead, v // row, row))
+    else:  # parts of CPU_EXP_SUM_ROW and the rest: slower than an exact split, whose parts are reshapes
+        whole = v // CPU_EXP_SUM_ROW * CPU_EXP_SUM_ROW
+        sums = jnp.concatenate([
+            exp_sums(logits_bcv[..., :whole].reshape(*lead, whole // CPU_EXP_SUM_ROW, CPU_EXP_SUM_ROW)),
+            exp_sums(logits_bcv[..., whole:])[..., None]], axis=-1)
+    return jnp.log(jnp.sum(sums, axis=-1)) + max_bc
+
+
+def _exact_part(v: int, shortest: int = 256) -> int | None:
+    """The longest part of at most CPU_EXP_SUM_ROW that divides `v`, if it has at least `shortest` logits."""
+    for parts in range(-(-v // CPU_EXP_SUM_ROW), v // shortest + 1):
+        if v % parts == 0:
+            return v // parts
+    return None
 
 
 def chunked_cross_entropy_sums(head_fn: HeadFn, h_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array, *,
