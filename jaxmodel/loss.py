@@ -21,7 +21,8 @@ from jaxmodel.sharding import DEFAULT_RULES, Rules, constrain, split_ways
 FROZEN_HEAD_DEVICE_ROWS = 512
 
 # XLA:CPU sums the exponentials of a row of more than this many logits several times slower than of shorter rows:
-# 512 rows of 49,152 float32 logits (SmolLM2's vocabulary) in 46 ms, in two parts of 24,576 in 6.4 ms (2-core Xeon).
+# the sums of 512 rows of 49,152 float32 logits (SmolLM2-135M's vocabulary) in 46 ms, in two parts of 24,576 each in
+# 6.4 ms (2-core Xeon).
 CPU_EXP_SUM_ROW = 32768
 
 HeadFn = Callable[[jax.Array], jax.Array]  # hidden states [b, c, d] -> float32 logits [b, c, v]
@@ -60,8 +61,10 @@ def _log_sum_exp_in_parts(logits_bcv: jax.Array) -> jax.Array:
     v = logits_bcv.shape[-1]
     if v <= CPU_EXP_SUM_ROW:
         return jax.nn.logsumexp(logits_bcv, axis=-1)
-    # the shift by the maximum, as jax.nn.logsumexp: the result does not depend on it
+    # the shift by the maximum, as jax.nn.logsumexp (0 for a row without a finite one): the result does not depend
+    # on it
     max_bc = jax.lax.stop_gradient(jnp.max(logits_bcv, axis=-1))
+    max_bc = jnp.where(jnp.isfinite(max_bc), max_bc, 0.0)
 
     def exp_sums(x_bc_v):  # the sums over the last axis of `x`, whose leading axes are `[b, c]`
         shift = max_bc.reshape(*max_bc.shape, *[1] * (x_bc_v.ndim - max_bc.ndim))

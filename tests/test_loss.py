@@ -446,6 +446,7 @@ def test_log_sum_exp_is_jaxs_and_the_cpu_sums_no_row_of_more_than_cpu_exp_sum_ro
         return jax.jit(jax.value_and_grad(lambda x: jnp.sum(fn(x) * c)))(x)
 
     assert_close(jax.jit(log_sum_exp)(x), jax.jit(lambda x: jax.nn.logsumexp(x, axis=-1))(x))
+    assert float(jax.jit(log_sum_exp)(jnp.full((1, vocab), -jnp.inf))[0]) == -np.inf  # as jax.nn.logsumexp
     (_, got), (_, want) = value_and_grad(log_sum_exp), value_and_grad(lambda x: jax.nn.logsumexp(x, axis=-1))
     assert_close(got, want)
     hlo = jax.jit(log_sum_exp).lower(x).compile().as_text()
