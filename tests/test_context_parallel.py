@@ -2,6 +2,8 @@
 LoRA gradients as one device with the plain paths."""
 
 import json
+import math
+import re
 
 import jax
 import numpy as np
@@ -114,3 +116,26 @@ def test_bad_long_context_options_are_one_line(tmp_path, tiny_converted, data_fi
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith(message), err
     assert not (tmp_path / "run").exists()
+
+
+def test_under_cp_the_frozen_heads_chunks_hold_device_rows_of_each_devices_own_rows(tmp_path):
+    """Each device's part of a sequence is a row of its own (`rows_over_cp`): with cp=8 and one sequence of 8 x 512
+    positions, each device holds one row and its chunks of the frozen head's loss hold FROZEN_HEAD_DEVICE_ROWS
+    positions. Counted against the whole batch's 8 rows instead, they would hold 512 // 8 = 64."""
+    from finetune.planning.plan import _compile
+    from finetune.step.mesh import make_mesh
+    from jaxmodel.config import LlamaConfig
+    from jaxmodel.loss import FROZEN_HEAD_DEVICE_ROWS
+
+    vocab = 1000
+    hf = {"model_type": "llama", "vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    cfg = TrainConfig(plan=True, model_config=str(tmp_path / "config.json"), mesh="dp=1,fsdp=1,cp=8,mp=1",
+                      seq_len=8 * 512, batch_size=1, hbm_gb=1, dtype="float32").validate()
+    compiled, _ = _compile(cfg, LlamaConfig.from_hf(tmp_path), make_mesh(cfg.mesh, jax.devices()), np.float32,
+                           np.float32)
+    # the head's dots: each device's logits of a chunk, [rows, vocab] or [rows, positions, vocab]
+    leading = re.findall(rf"= f32\[([\d,]+),{vocab}\]\S* dot\(", compiled.as_text())
+    assert leading and {math.prod(int(d) for d in dims.split(",")) for dims in leading} == {FROZEN_HEAD_DEVICE_ROWS}
+
