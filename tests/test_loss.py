@@ -38,8 +38,7 @@ from jaxmodel import LlamaConfig, LlamaForCausalLM
 from jaxmodel.layers import LoRAParam
 from jaxmodel.lora import LoraConfig, apply_lora
 from jaxmodel.loss import (CPU_EXP_SUM_ROW, chunked_cross_entropy_sums, cross_entropy_sums,
-                           frozen_head_cross_entropy_sums, log_sum_exp,
-                           frozen_head_token_losses, token_losses)
+                           frozen_head_cross_entropy_sums, frozen_head_token_losses, log_sum_exp, token_losses)
 
 F32_RTOL = 1e-5
 BF16_UNIT_ROUNDOFF = 2.0 ** -8  # 8 significand bits, round to nearest
@@ -433,7 +432,6 @@ def test_frozen_head_token_losses_and_their_gradient_under_any_cotangent_are_the
     assert_close(got_dh, want_dh)
 
 
-
 @pytest.mark.parametrize("vocab", [1000, 32768, 32769, 49152, 50257, 128256, 50021, 98317])  # the last two: primes
 def test_log_sum_exp_is_jaxs_and_the_cpu_sums_no_row_of_more_than_cpu_exp_sum_row(vocab):
     """Value and gradient equal `jax.nn.logsumexp`'s; on the CPU, no exponential is summed over a row longer than
@@ -450,9 +448,9 @@ def test_log_sum_exp_is_jaxs_and_the_cpu_sums_no_row_of_more_than_cpu_exp_sum_ro
     (_, got), (_, want) = value_and_grad(log_sum_exp), value_and_grad(lambda x: jax.nn.logsumexp(x, axis=-1))
     assert_close(got, want)
     hlo = jax.jit(log_sum_exp).lower(x).compile().as_text()
-    reduced = [int(dims.split(",")[-1]) for dims in re.findall(r"exponential\(f32\[([\d,]+)\]", hlo)]
-    reduced += [int(dims.split(",")[-1]) for dims in re.findall(r"= f32\[([\d,]+)\][^ ]* exponential\(", hlo)]
-    assert reduced and max(reduced) <= CPU_EXP_SUM_ROW, reduced
+    rows = [int(dims.split(",")[-1]) for dims in re.findall(r"= f32\[([\d,]+)\][^ ]* exponential\(", hlo)]
+    assert rows and max(rows) <= CPU_EXP_SUM_ROW, rows
+
 
 def compiled_dots(loss_fn, *args) -> int:
     """How many dots the compiled loss and d loss / d h hold (a loop body's counted once)."""
