@@ -1,7 +1,7 @@
-"""Masked next-token cross-entropy: the plain sums over full logits, and two chunked LM heads + losses that
-never hold the `[batch, seq, vocab]` float32 logits (67 GB at 128k tokens and vocab 128256) at once: one for any
-head (LoRA on it included), which computes each chunk's logits again in the backward pass, and one for a frozen
-head weight, which computes them once."""
+"""Next-token cross-entropy: the masked sums over full logits (the reference), the loss per token, and two
+chunked LM heads + losses per token that never hold the `[batch, seq, vocab]` float32 logits (67 GB at 128k tokens
+and vocab 128256) at once: one for any head (LoRA on it included), which computes each chunk's logits again in the
+backward pass, and one for a frozen head weight, which computes them once."""
 
 from __future__ import annotations
 
@@ -91,14 +91,6 @@ def _exact_part(v: int, shortest: int = 256) -> int | None:
     return None
 
 
-def chunked_cross_entropy_sums(head_fn: HeadFn, h_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array, *,
-                               chunk: int, rules: Rules = DEFAULT_RULES) -> tuple[jax.Array, jax.Array]:
-    """`cross_entropy_sums(head_fn(h_btd), targets_bt, mask_bt)`, `chunk` sequence positions at a time
-    (`chunked_token_losses`)."""
-    losses_bt = chunked_token_losses(head_fn, h_btd, targets_bt, chunk=chunk, rules=rules)
-    return jnp.sum(losses_bt * mask_bt), jnp.sum(mask_bt)
-
-
 def chunked_token_losses(head_fn: HeadFn, h_btd: jax.Array, targets_bt: jax.Array, *, chunk: int,
                          rules: Rules = DEFAULT_RULES) -> jax.Array:
     """`token_losses(head_fn(h_btd), targets_bt)`, float32 `[b, t]`, `chunk` sequence positions at a time.
@@ -130,15 +122,6 @@ def chunked_token_losses(head_fn: HeadFn, h_btd: jax.Array, targets_bt: jax.Arra
     return _unchunked(losses_nbc, h_btd.shape[1])
 
 
-def frozen_head_cross_entropy_sums(h_btd: jax.Array, w_vd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array, *,
-                                   chunk: int, rules: Rules = DEFAULT_RULES,
-                                   device_rows: int = FROZEN_HEAD_DEVICE_ROWS) -> tuple[jax.Array, jax.Array]:
-    """`cross_entropy_sums(einsum_acc32("btd,vd->btv", h_btd, w_vd), targets_bt, mask_bt)` for a head weight that
-    is not trained, from `frozen_head_token_losses` (its chunks, its single computation of the logits)."""
-    losses_bt = frozen_head_token_losses(h_btd, w_vd, targets_bt, chunk=chunk, rules=rules, device_rows=device_rows)
-    return jnp.sum(losses_bt * mask_bt), jnp.sum(mask_bt)
-
-
 def frozen_head_token_losses(h_btd: jax.Array, w_vd: jax.Array, targets_bt: jax.Array, *, chunk: int,
                              rules: Rules = DEFAULT_RULES, device_rows: int = FROZEN_HEAD_DEVICE_ROWS) -> jax.Array:
     """`token_losses(einsum_acc32("btd,vd->btv", h_btd, w_vd), targets_bt)`, float32 `[b, t]`, for a head weight
@@ -149,7 +132,7 @@ def frozen_head_token_losses(h_btd: jax.Array, w_vd: jax.Array, targets_bt: jax.
     and its gradient with respect to that position's hidden state, `(softmax - one-hot) @ w` (the `[b, c, v]`
     factor rounded to w's dtype before the product, as `einsum_acc32`'s own gradient does), and keeps only
     those gradients, `[b, t, d]` like h; the backward pass scales each by its position's cotangent. So no logits
-    are kept for the backward pass nor computed again there, where `chunked_cross_entropy_sums` computes every
+    are kept for the backward pass nor computed again there, where `chunked_token_losses` computes every
     chunk's logits twice and the plain loss keeps all of them. `w_vd` gets no gradient (it passes
     `stop_gradient`). Chunks, padding and `rules` as in `chunked_token_losses`.
     """

@@ -37,10 +37,20 @@ from jaxprs import count_eqns
 from jaxmodel import LlamaConfig, LlamaForCausalLM
 from jaxmodel.layers import LoRAParam
 from jaxmodel.lora import LoraConfig, apply_lora
-from jaxmodel.loss import (CPU_EXP_SUM_ROW, chunked_cross_entropy_sums, cross_entropy_sums,
-                           frozen_head_cross_entropy_sums, frozen_head_token_losses, log_sum_exp, token_losses)
+from jaxmodel.loss import (CPU_EXP_SUM_ROW, FROZEN_HEAD_DEVICE_ROWS, chunked_token_losses, cross_entropy_sums,
+                           frozen_head_token_losses, log_sum_exp, token_losses)
 
 F32_RTOL = 1e-5
+
+
+def chunked_cross_entropy_sums(head_fn, h, targets, mask, *, chunk, **kw):
+    """(masked sum, target tokens) of `chunked_token_losses`, as finetune's loss sums them."""
+    return jnp.sum(chunked_token_losses(head_fn, h, targets, chunk=chunk, **kw) * mask), jnp.sum(mask)
+
+
+def frozen_head_cross_entropy_sums(h, w, targets, mask, *, chunk, **kw):
+    """(masked sum, target tokens) of `frozen_head_token_losses`."""
+    return jnp.sum(frozen_head_token_losses(h, w, targets, chunk=chunk, **kw) * mask), jnp.sum(mask)
 BF16_UNIT_ROUNDOFF = 2.0 ** -8  # 8 significand bits, round to nearest
 
 
@@ -343,7 +353,7 @@ def plain_head_loss(h, w, targets, mask):
     return cross_entropy_sums(logits, targets, mask)
 
 
-def frozen_head_loss(h, w, targets, mask, *, chunk, device_rows=512):
+def frozen_head_loss(h, w, targets, mask, *, chunk, device_rows=FROZEN_HEAD_DEVICE_ROWS):
     return frozen_head_cross_entropy_sums(h, w, targets, mask, chunk=chunk, device_rows=device_rows)
 
 
