@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmodel import scopes
 from jaxmodel.matmul import einsum_acc32, saved_as_dot
 from jaxmodel.quantization import Quantization, dequantize
 from jaxmodel.sharding import DEFAULT_RULES, Rules, constrain
@@ -83,31 +84,34 @@ class Linear(nnx.Module):
         """`dropout_key` switches on dropout of the LoRA branch's input (training only)."""
         # Tokens are flattened to one axis: the CPU backend's matmuls (and their gradients) run
         # markedly faster on 2-D operands than with batch and sequence kept apart (bench/train.py).
-        *lead, in_features = x.shape
-        x_ni = x.reshape(-1, in_features).astype(self.dtype)
-        if self.quantization is None:
-            y_no = _matmul(x_ni, self.weight[...].astype(self.dtype))
-        else:
-            y_no = _dequantized_matmul(x_ni, self.codes[...], self.scales[...], self.quantization, self.dtype)
-        # y is float32 (jaxmodel.matmul): the bias and the adapter are added to it and the sum rounded once.
-        if self.bias is not None:
-            y_no = y_no + self.bias[...].astype(jnp.float32)
-        if self.lora_a is not None:
-            y_no = y_no + self.lora_delta(x_ni, dropout_key)
-        y_no = saved_as_dot(y_no.astype(self.dtype))
-        return y_no.reshape(*lead, y_no.shape[-1])
+        with jax.named_scope(scopes.PROJECTION):
+            *lead, in_features = x.shape
+            x_ni = x.reshape(-1, in_features).astype(self.dtype)
+            if self.quantization is None:
+                y_no = _matmul(x_ni, self.weight[...].astype(self.dtype))
+            else:
+                y_no = _dequantized_matmul(x_ni, self.codes[...], self.scales[...], self.quantization, self.dtype)
+            # y is float32 (jaxmodel.matmul): the bias and the adapter are added to it and the sum rounded once.
+            if self.bias is not None:
+                y_no = y_no + self.bias[...].astype(jnp.float32)
+            if self.lora_a is not None:
+                y_no = y_no + self.lora_delta(x_ni, dropout_key)
+            y_no = saved_as_dot(y_no.astype(self.dtype))
+            return y_no.reshape(*lead, y_no.shape[-1])
 
     def lora_delta(self, x_ni: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
         """The LoRA branch `scale * (dropout(x) A) B`, float32 `[n, out]` for tokens `x_ni` `[n, in]`."""
-        # Scale the small [n, r] product, not the [n, out] one: its gradient is then cheap too.
-        x_lora = x_ni.astype(jnp.float32)
-        if dropout_key is not None and self.lora_dropout > 0:
-            keep = jax.random.bernoulli(dropout_key, 1.0 - self.lora_dropout, x_lora.shape)
-            x_lora = jnp.where(keep, x_lora / (1.0 - self.lora_dropout), 0.0)
-        # einsum_acc32 for its gradients' layout on the CPU (jaxmodel.matmul), on float32 operands; `xa` is
-        # kept by the dot remat policies as a plain dot's output would be.
-        xa_nr = saved_as_dot(einsum_acc32("ni,ir->nr", x_lora, self.lora_a[...].astype(jnp.float32)) * self.lora_scale)
-        return einsum_acc32("nr,ro->no", xa_nr, self.lora_b[...].astype(jnp.float32))
+        with jax.named_scope(scopes.LORA):
+            # Scale the small [n, r] product, not the [n, out] one: its gradient is then cheap too.
+            x_lora = x_ni.astype(jnp.float32)
+            if dropout_key is not None and self.lora_dropout > 0:
+                keep = jax.random.bernoulli(dropout_key, 1.0 - self.lora_dropout, x_lora.shape)
+                x_lora = jnp.where(keep, x_lora / (1.0 - self.lora_dropout), 0.0)
+            # einsum_acc32 for its gradients' layout on the CPU (jaxmodel.matmul), on float32 operands; `xa` is
+            # kept by the dot remat policies as a plain dot's output would be.
+            xa_nr = einsum_acc32("ni,ir->nr", x_lora, self.lora_a[...].astype(jnp.float32))
+            xa_nr = saved_as_dot(xa_nr * self.lora_scale)
+            return einsum_acc32("nr,ro->no", xa_nr, self.lora_b[...].astype(jnp.float32))
 
 
 def _matmul(x_ni: jax.Array, w_oi: jax.Array) -> jax.Array:
@@ -153,8 +157,9 @@ class Embed(nnx.Module):
         # on some meshes (e.g. dp=2,fsdp=2,mp=2) the partitioner can only move them to the batch split by
         # replicating the whole table. Gathering the hidden dimension first leaves a lookup in a
         # vocab-split table: a masked gather plus an all-reduce over `mp`.
-        table = constrain(self.weight[...], ("vocab", None), rules)
-        return jnp.take(table, ids_bt, axis=0).astype(self.dtype)
+        with jax.named_scope(scopes.EMBEDDING):
+            table = constrain(self.weight[...], ("vocab", None), rules)
+            return jnp.take(table, ids_bt, axis=0).astype(self.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -168,9 +173,10 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         # transformers rounds the normalised value to x's dtype before scaling it; here the scaling is in float32
         # too and the result is rounded once (`swiglu` says why)
-        h = x.astype(jnp.float32)
-        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
-        return (self.weight[...].astype(jnp.float32) * h).astype(x.dtype)
+        with jax.named_scope(scopes.RMS_NORM):
+            h = x.astype(jnp.float32)
+            h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+            return (self.weight[...].astype(jnp.float32) * h).astype(x.dtype)
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -179,5 +185,6 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     Why float32 inside: XLA:CPU runs each bf16 operation as a float32 one between two conversions, so the product's
     operations, their recomputation under remat and their gradients cost more in bf16 than in float32. Rounding
     once is what a fused GPU kernel does, and is within half a bf16 spacing of the exact product."""
-    g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
-    return (jax.nn.silu(g) * u).astype(jnp.promote_types(gate.dtype, up.dtype))
+    with jax.named_scope(scopes.SWIGLU):
+        g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
+        return (jax.nn.silu(g) * u).astype(jnp.promote_types(gate.dtype, up.dtype))

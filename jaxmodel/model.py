@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxmodel import scopes
 from jaxmodel.attention import ATTENTION_IMPLS, attention
 from jaxmodel.context_parallel import context_parallel_attention, cp_order, cp_size
 from jaxmodel.config import LlamaConfig
@@ -78,7 +79,9 @@ class Attention(nnx.Module):
             kv = (k_btkh, v_btkh)
         q_btnh, k_btkh, v_btkh = (remat_name(x, "projection") for x in (q_btnh, k_btkh, v_btkh))
         attend = context_parallel_attention if "segment_ids_bt" in mask else attention
-        out_btnh = remat_name(attend(q_btnh, k_btkh, v_btkh, dtype=self.dtype, **mask), "projection")
+        with jax.named_scope(scopes.ATTENTION):
+            out_btnh = attend(q_btnh, k_btkh, v_btkh, dtype=self.dtype, **mask)
+        out_btnh = remat_name(out_btnh, "projection")
         return remat_name(self.o_proj(out_btnh.reshape(b, t, n * h), keys[3]), "projection"), kv
 
 
@@ -213,13 +216,14 @@ class LlamaForCausalLM(nnx.Module):
     def head(self, h_btd) -> jax.Array:
         """float32 logits `[..., v]` of hidden states `[..., d]`: the LM head (or the tied embedding), with
         its LoRA adapter when `lm_head` has one (without dropout: the loss may run the head in chunks)."""
-        logits = einsum_acc32("...d,vd->...v", h_btd.astype(self.dtype), self._head_weight())
-        if self.lm_head is not None and self.lm_head.lora_a is not None:
-            *lead, d = h_btd.shape
-            logits = logits + self.lm_head.lora_delta(h_btd.reshape(-1, d)).reshape(*lead, -1)
-        if logits.ndim == 3:
-            logits = constrain(logits, ("act_batch", "act_seq", "act_vocab"), self.rules)
-        return logits
+        with jax.named_scope(scopes.LM_HEAD):
+            logits = einsum_acc32("...d,vd->...v", h_btd.astype(self.dtype), self._head_weight())
+            if self.lm_head is not None and self.lm_head.lora_a is not None:
+                *lead, d = h_btd.shape
+                logits = logits + self.lm_head.lora_delta(h_btd.reshape(-1, d)).reshape(*lead, -1)
+            if logits.ndim == 3:
+                logits = constrain(logits, ("act_batch", "act_seq", "act_vocab"), self.rules)
+            return logits
 
     def frozen_head_weight(self) -> jax.Array | None:
         """The head's weight `[v, d]` in the compute dtype, as `head` multiplies by it, or None when `lm_head`

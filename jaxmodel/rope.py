@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmodel import scopes
 from jaxmodel.config import RopeConfig
 
 
@@ -50,8 +52,9 @@ def apply_rope(x_btnd: jnp.ndarray, cos_btd: jnp.ndarray, sin_btd: jnp.ndarray) 
     """`x * cos + rotate_half(x) * sin` with cos/sin broadcast over the heads axis, computed in float32 and rounded
     once to x's dtype: in bf16, XLA:CPU would run each of the rotation's operations (and their recomputation and
     gradients) between two conversions (docs/design.md, "Numerics"; `jaxmodel.layers.swiglu` likewise)."""
-    half = x_btnd.shape[-1] // 2
-    x32 = x_btnd.astype(jnp.float32)
-    cos32, sin32 = (c.astype(jnp.float32)[:, :, None, :] for c in (cos_btd, sin_btd))
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * cos32 + rotated * sin32).astype(x_btnd.dtype)
+    with jax.named_scope(scopes.ROPE):
+        half = x_btnd.shape[-1] // 2
+        x32 = x_btnd.astype(jnp.float32)
+        cos32, sin32 = (c.astype(jnp.float32)[:, :, None, :] for c in (cos_btd, sin_btd))
+        rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+        return (x32 * cos32 + rotated * sin32).astype(x_btnd.dtype)

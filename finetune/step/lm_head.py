@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxmodel import scopes
 from jaxmodel.context_parallel import cp_size, rows_over_cp
 from jaxmodel.loss import chunked_token_losses, frozen_head_token_losses, token_losses
 
@@ -34,11 +35,12 @@ def batch_token_losses(model, batch: dict[str, jax.Array], names: tuple[str, ...
         h_btd = h_btd.reshape(b * cp, t // cp, h_btd.shape[2])
         rules = rows_over_cp(rules)
     targets_bt, *rest = arrays
-    w_vd = model.frozen_head_weight() if chunk else None
-    if w_vd is not None:
-        losses_bt = frozen_head_token_losses(h_btd, w_vd, targets_bt, chunk=chunk, rules=rules)
-    elif not chunk or chunk >= h_btd.shape[1]:
-        losses_bt = token_losses(model.head(h_btd), targets_bt)
-    else:
-        losses_bt = chunked_token_losses(model.head, h_btd, targets_bt, chunk=chunk, rules=rules)
+    with jax.named_scope(scopes.LM_HEAD):
+        w_vd = model.frozen_head_weight() if chunk else None
+        if w_vd is not None:
+            losses_bt = frozen_head_token_losses(h_btd, w_vd, targets_bt, chunk=chunk, rules=rules)
+        elif not chunk or chunk >= h_btd.shape[1]:
+            losses_bt = token_losses(model.head(h_btd), targets_bt)
+        else:
+            losses_bt = chunked_token_losses(model.head, h_btd, targets_bt, chunk=chunk, rules=rules)
     return (losses_bt, *rest)

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from finetune.config import TrainConfig
 from finetune.step.lm_head import batch_token_losses
 from finetune.step.preference import Objective, pair_losses, sequence_sums, token_logps
+from jaxmodel import scopes
 from jaxmodel.layers import LoRAParam
 from jaxmodel.sharding import Rules, batch_sharding
 
@@ -189,8 +190,7 @@ def build_steps(graphdef, schedule, tx: optax.GradientTransformation, grad_accum
         rng, step_key = jax.random.split(state.rng)
         loss, tokens, grads = loss_and_grads(graphdef, state.lora, base, batch, grad_accum,
                                              step_key if dropout else None, loss_chunk)
-        updates, opt_state = tx.update(grads, state.opt_state, state.lora)
-        lora = optax.apply_updates(state.lora, updates)
+        lora, opt_state = optimizer_update(tx, grads, state)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step), "tokens": tokens}
         return TrainState(state.step + 1, lora, opt_state, rng), metrics
 
@@ -198,6 +198,13 @@ def build_steps(graphdef, schedule, tx: optax.GradientTransformation, grad_accum
         return loss_sums(nnx.merge(graphdef, base, lora), batch, chunk=loss_chunk)
 
     return train_step, eval_step
+
+
+def optimizer_update(tx: optax.GradientTransformation, grads, state: TrainState) -> tuple[nnx.State, Any]:
+    """(the adapters after one optimizer step on `grads`, the optimizer's new state)."""
+    with jax.named_scope(scopes.OPTIMIZER):
+        updates, opt_state = tx.update(grads, state.opt_state, state.lora)
+        return optax.apply_updates(state.lora, updates), opt_state
 
 
 def build_preference_steps(graphdef, schedule, tx: optax.GradientTransformation, objective: Objective, pairs: int,
@@ -210,8 +217,7 @@ def build_preference_steps(graphdef, schedule, tx: optax.GradientTransformation,
         rng, step_key = jax.random.split(state.rng)
         loss, metrics, grads = preference_loss_and_grads(graphdef, state.lora, base, reference, batch, objective,
                                                          pairs, grad_accum, step_key if dropout else None, loss_chunk)
-        updates, opt_state = tx.update(grads, state.opt_state, state.lora)
-        lora = optax.apply_updates(state.lora, updates)
+        lora, opt_state = optimizer_update(tx, grads, state)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step), **metrics}
         return TrainState(state.step + 1, lora, opt_state, rng), metrics
 

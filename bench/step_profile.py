@@ -1,0 +1,259 @@
+"""Where the LoRA train step's time goes: a `jax.profiler` trace of finetune-lora's compiled step, in-process, each
+op grouped by the part of the model it computes, with the matmuls' FLOPs and rates.
+
+    python bench/step_profile.py [--shape bench] [--dtype float32] [--steps 3] [--json PATH]
+
+The step is the one `finetune-lora` runs (`finetune.step.train_step.jit_steps` through bench/device_measure.py's
+`build_step`) with bench/dtypes.py's command at its shape: bench/train.py's batch, LoRA and optimizer, `--dtype`
+and `--param-dtype` the given dtype, the other options finetune-lora's defaults, one device.
+
+How the table is made:
+- Part: each op's HLO metadata names the `jax.named_scope`s it was traced in (jaxmodel/scopes.py: projections,
+  LoRA, attention, RoPE, ...), in the forward pass, its recomputation and the gradients alike; the innermost one
+  counts (LoRA inside a projection is LoRA). A fused op counts under the part of the op XLA names it after (its
+  root). Ops outside every part: the layer scan's slices of the
+  stacked weights and saved values and its writes of them ("layer scan"), the zero-filling of the buffers the
+  scan writes into ("zero fill"), the rest ("other": residual adds, casts, the gradients' sums).
+- Wall ms a step: each instant of the traced steps shared equally among the ops running then (XLA runs independent
+  ops at once on the CPU's threads), so the rows add up to the traced step's time with "no op running". Op ms: the
+  ops' own durations, which overlap.
+- Matmul GFLOP: 2 x the output's size x the contracted size of every dot in the compiled program, as often as it
+  runs; GFLOP/s: those over the part's wall time.
+- The last line: the model's FLOPs a step (4N + 12·L·T·H a token, finetune/train/metrics.py) at the matmul peak
+  measured in the same run (`measure_peak_flops`), against the untraced step's median time: the step's MFU.
+
+Op events are matched to the compiled program by their HLO instruction names, which is how XLA:CPU's profiler
+names them; on a backend whose trace names its kernels otherwise, the script says that no op was matched.
+Time only on an idle machine: anything running beside it changes the figures several-fold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import math
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_runs import cpu_description  # noqa: E402
+from dtypes import SHAPES  # noqa: E402
+from train import ALPHA, BATCH, LR, RANK, SEQ, TARGETS, step_times  # noqa: E402
+
+from jaxmodel import scopes  # noqa: E402
+
+SCAN, ZERO_FILL, OTHER = "layer scan", "zero fill", "other"
+# the scan's own ops: `jax.lax.scan` slices its inputs and writes its outputs with these
+_SCAN_OPS = ("dynamic_index_in_dim", "dynamic_update_index_in_dim")
+# `transpose(jvp(lm_head))` and the like: a scope traced at the top of a differentiated function
+_WRAPPED = re.compile(r"^(?:[\w\-]+\()+|\)+$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+_ARRAY = re.compile(r"\w+\[([\d,]*)\]")
+
+
+@dataclasses.dataclass
+class Instruction:
+    shape: str
+    opcode: str
+    operands: list[str]
+    called: str | None
+    op_name: str
+    line: str
+
+
+def parse_hlo(text: str) -> tuple[dict[str, dict[str, Instruction]], dict[str, Instruction]]:
+    """(computation name -> its instructions by name, every instruction by name) of an HLO module's text."""
+    computations: dict[str, dict[str, Instruction]] = {}
+    current = None
+    for line in text.splitlines():
+        if not line.startswith(" "):
+            match = _COMPUTATION.match(line)
+            current = computations.setdefault(match.group(1), {}) if match else None
+            continue
+        match = _INSTRUCTION.match(line)
+        if current is None or not match:
+            continue
+        name, shape, opcode, rest = match.groups()
+        operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+        called = re.search(r"calls=%?([\w.\-]+)", rest)
+        op_name = re.search(r'op_name="([^"]*)"', rest)
+        current[name] = Instruction(shape, opcode, operands, called.group(1) if called else None,
+                                    op_name.group(1) if op_name else "", line)
+    everything = {name: inst for insts in computations.values() for name, inst in insts.items()}
+    return computations, everything
+
+
+def _dims(shape: str) -> list[int]:
+    match = _ARRAY.search(shape)
+    return [int(d) for d in match.group(1).split(",") if d] if match else []
+
+
+def dot_flops(inst: Instruction, computation: dict[str, Instruction]) -> int:
+    """2 x output elements x contracted elements of a `dot` instruction (its operands looked up in `computation`)."""
+    lhs = _dims(computation[inst.operands[0]].shape)
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.line)
+    contracted = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting else 1
+    return 2 * math.prod(_dims(inst.shape)) * contracted
+
+
+def matmul_flops(inst: Instruction, computations: dict[str, dict[str, Instruction]]) -> int | None:
+    """FLOPs of the dots an op runs (itself, or inside the computation it calls), or None if it runs none."""
+    if inst.opcode == "dot":
+        return None  # a top-level dot is counted from its computation by `op_flops`
+    body = computations.get(inst.called) if inst.called else None
+    if body is None:
+        return None
+    dots = [dot_flops(i, body) for i in body.values() if i.opcode == "dot"]
+    return sum(dots) if dots else None
+
+
+def part_of(inst: Instruction, name: str) -> str:
+    """The part an op computes: the innermost model scope in its op_name, else what the scan or XLA made it for."""
+    components = [_WRAPPED.sub("", c) for c in inst.op_name.split("/")]
+    for component in reversed(components):
+        if component in scopes.PARTS:
+            return component
+    if any(c in _SCAN_OPS for c in components):
+        return SCAN
+    if name.startswith("wrapped_broadcast") or inst.opcode == "broadcast":
+        return ZERO_FILL
+    return OTHER
+
+
+def op_events(trace_dir: str) -> list[dict]:
+    """The complete ('X') events of the newest trace under `trace_dir`."""
+    files = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))
+    with gzip.open(files[-1]) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+
+def profile_table(events: list[dict], hlo_text: str, steps: int) -> dict:
+    """Per part (and matmul / other ops within it): wall ms, op ms and matmul GFLOP a step, from the events of
+    `steps` traced steps of the program `hlo_text`."""
+    computations, instructions = parse_hlo(hlo_text)
+    top_dots = {name: dot_flops(inst, comp) for comp in computations.values()
+                for name, inst in comp.items() if inst.opcode == "dot"}
+    ops = [e for e in events if e["name"] in instructions]
+    if not ops:
+        raise SystemExit("step_profile.py: no event of the trace names an instruction of the compiled step "
+                         "(this backend's profiler names its kernels otherwise)")
+    rows = {}
+    for e in ops:
+        inst = instructions[e["name"]]
+        flops = top_dots.get(e["name"], matmul_flops(inst, computations))
+        e["_row"] = (part_of(inst, e["name"]), "matmuls" if flops is not None else "other ops")
+        e["_flops"] = flops or 0
+    # sweep over the events' starts and ends: each interval's time is shared among the ops running in it
+    edges = sorted([(e["ts"], 1, i) for i, e in enumerate(ops)] + [(e["ts"] + e["dur"], -1, i)
+                                                                     for i, e in enumerate(ops)],
+                   key=lambda edge: (edge[0], edge[1]))
+    wall, running, idle, last = collections.Counter(), set(), 0.0, None
+    for t, kind, i in edges:
+        if last is not None and t > last:
+            for j in running:
+                wall[ops[j]["_row"]] += (t - last) / len(running)
+            if not running:
+                idle += t - last
+        last = t
+        (running.add if kind == 1 else running.discard)(i)
+    op_time, flops = collections.Counter(), collections.Counter()
+    for e in ops:
+        op_time[e["_row"]] += e["dur"]
+        flops[e["_row"]] += e["_flops"]
+    for row in wall:
+        rows[row] = {"wall_ms": wall[row] / 1e3 / steps, "op_ms": op_time[row] / 1e3 / steps,
+                     "matmul_gflop": flops[row] / 1e9 / steps}
+    span = (edges[-1][0] - edges[0][0]) / 1e3 / steps
+    return {"rows": rows, "idle_ms": idle / 1e3 / steps, "span_ms": span}
+
+
+def ordered(rows: dict) -> list[tuple[str, str]]:
+    order = [*scopes.PARTS, SCAN, ZERO_FILL, OTHER]
+    return sorted(rows, key=lambda row: (order.index(row[0]), row[1]))
+
+
+def label(part: str) -> str:
+    return scopes.PARTS.get(part, part)
+
+
+def print_table(table: dict) -> None:
+    print("| part | ops | wall ms a step | op ms a step | matmul GFLOP a step | matmul GFLOP/s |")
+    print("|---|---|---|---|---|---|")
+    for part, kind in ordered(table["rows"]):
+        row = table["rows"][(part, kind)]
+        rate = (f"{row['matmul_gflop'] / row['wall_ms'] * 1e3:.0f}" if kind == "matmuls" and row["wall_ms"] else "")
+        gflop = f"{row['matmul_gflop']:.2f}" if kind == "matmuls" else ""
+        print(f"| {label(part)} | {kind} | {row['wall_ms']:.1f} | {row['op_ms']:.1f} | {gflop} | {rate} |")
+    print(f"| no op running | | {table['idle_ms']:.1f} | | | |")
+    print(f"| the traced step | | {table['span_ms']:.1f} | | "
+          f"{sum(r['matmul_gflop'] for r in table['rows'].values()):.2f} | |")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """This benchmark's options (tests/test_docs_commands.py parses the docs' command lines with it)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="bench",
+                        help="the model's shape: bench/train.py's (default) or a pretrained model's (bench/dtypes.py)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="--dtype and --param-dtype of the step (default float32)")
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")
+    parser.add_argument("--steps", type=int, default=3, help="steps timed untraced, and steps traced (default 3)")
+    parser.add_argument("--json", help="also write the figures to this JSON file")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    import device_measure as dm
+    import jax
+    import jax.numpy as jnp
+
+    from finetune.config import TrainConfig
+    from finetune.train.metrics import flops_per_token, measure_peak_flops
+    from jaxmodel.config import LlamaConfig
+
+    shape = {**SHAPES[args.shape], "rms_norm_eps": 1e-5}
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    llama = LlamaConfig.from_hf({"model_type": "llama", **shape})
+    config = TrainConfig(mesh="dp=1,fsdp=1,mp=1", batch_size=BATCH, seq_len=SEQ, dtype=args.dtype,
+                         param_dtype=args.dtype, rank=RANK, alpha=ALPHA, targets=",".join(TARGETS), lr=LR,
+                         schedule="constant", clip_norm=0.0, steps=10**6)
+    step = dm.build_step(llama, config, jax.devices()[:1])
+    for _ in range(2):
+        step.run()
+    seconds = statistics.median(step_times(step.run, args.steps))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+        for _ in range(args.steps):
+            step.run()
+        jax.profiler.stop_trace()
+        table = profile_table(op_events(trace_dir), step.compiled.as_text(), args.steps)
+    peak = measure_peak_flops(getattr(jnp, args.dtype), 2048, 10)
+    model_flops = flops_per_token(llama, SEQ) * BATCH * SEQ
+    print(f"CPU: {cpu_description()}; shape {args.shape} ({llama.num_hidden_layers} layers); batch {BATCH} x seq "
+          f"{SEQ}; {args.dtype}; {args.steps} steps traced\n")
+    print_table(table)
+    print(f"\nstep {seconds:.3f} s untraced (median of {args.steps}); model FLOPs {model_flops / 1e9:.1f} GFLOP a "
+          f"step, at the {args.dtype} matmul peak of {peak / 1e9:.0f} GFLOP/s measured now: "
+          f"{model_flops / peak * 1e3:.0f} ms, MFU {model_flops / peak / seconds:.1%}")
+    if args.json:
+        rows = {f"{part} {kind}": row for (part, kind), row in table["rows"].items()}
+        Path(args.json).write_text(json.dumps({
+            "shape": args.shape, "dtype": args.dtype, "layers": llama.num_hidden_layers, "step_seconds": seconds,
+            "model_flops": model_flops, "matmul_peak_flops": peak, "traced_step_ms": table["span_ms"],
+            "idle_ms": table["idle_ms"], "parts": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""The model's parts as `jax.named_scope` names: every op of a compiled step carries the part it computes in its
+metadata's `op_name` (e.g. `jit(train_step)/while/body/closed_call/transpose(jvp())/.../rope/mul`), forward,
+recomputation and gradient alike; an op inside two parts (LoRA in a projection) belongs to the inner one.
+bench/step_profile.py groups a profile's op times by them."""
+
+from __future__ import annotations
+
+EMBEDDING = "embedding"
+RMS_NORM = "rms_norm"
+PROJECTION = "projection"  # a Linear: its matmul with the frozen (or quantized) weight, bias, casts and reshapes
+LORA = "lora"  # a LoRA branch (inside a projection's scope, or the LM head's)
+ROPE = "rope"
+ATTENTION = "attention"  # scores, mask, softmax and the values' weighted sum, without the projections
+SWIGLU = "swiglu"
+LM_HEAD = "lm_head"  # the head's logits and the loss over them (with the head's LoRA, if any)
+OPTIMIZER = "optimizer"
+
+# what each part is called in a table, in the order of the layer's computation
+PARTS = {EMBEDDING: "embedding", RMS_NORM: "RMSNorm", PROJECTION: "projections", LORA: "LoRA", ROPE: "RoPE",
+         ATTENTION: "attention", SWIGLU: "SwiGLU", LM_HEAD: "LM head and loss", OPTIMIZER: "optimizer"}
