@@ -105,9 +105,8 @@ def dot_flops(inst: Instruction, computation: dict[str, Instruction]) -> int:
 
 
 def matmul_flops(inst: Instruction, computations: dict[str, dict[str, Instruction]]) -> int | None:
-    """FLOPs of the dots an op runs (itself, or inside the computation it calls), or None if it runs none."""
-    if inst.opcode == "dot":
-        return None  # a top-level dot is counted from its computation by `op_flops`
+    """FLOPs of the dots in the computation an op calls (a fusion's), or None if it calls none (a top-level dot's
+    are counted by `profile_table`, from the computation it is in)."""
     body = computations.get(inst.called) if inst.called else None
     if body is None:
         return None
