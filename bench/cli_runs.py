@@ -9,6 +9,7 @@ the model with torch happens in a child process too.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -210,3 +211,29 @@ def cpu_description(cpuinfo: str | None = None, cores: int | None = None) -> str
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     named = [flag for flag in MATMUL_FLAGS if flag in flags]
     return f"{model}, {cores} cores" + (f" ({', '.join(named)})" if named else "")
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line naming the option (`PROG: error: ...`), no usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def json_path_problem(path: str) -> str | None:
+    """Why `path` cannot be written, or None; checked before any measuring, by opening it for appending (a file
+    that was not there is removed again)."""
+    target = Path(path)
+    if target.is_dir():
+        return "is a directory"
+    if not target.parent.is_dir():
+        return f"directory {target.parent} does not exist"
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    if not existed:
+        target.unlink()
+    return None

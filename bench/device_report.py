@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # neighbours: device_m
 import device_measure as dm
 import jax  # creates no devices until one is asked for
 import jaxlib
-from cli_runs import cpu_description
+from cli_runs import OneLineErrorParser, cpu_description, json_path_problem
 
 from finetune.config import TrainConfig
 from finetune.train.metrics import TIMED_SAMPLE_SECONDS
@@ -114,11 +114,6 @@ class DoesNotFit(UsageError):
     """The smallest shape the sizing tries does not fit the device by --plan."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line naming the option, no usage block
-        self.exit(2, f"{PROG}: error: {message}\n")
-
-
 def choices(option: str) -> tuple[str, ...]:
     """finetune-lora's choices for `option` (a TrainConfig field)."""
     return get_args(get_type_hints(TrainConfig)[option])
@@ -126,7 +121,7 @@ def choices(option: str) -> tuple[str, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     """This benchmark's options (tests/test_docs_commands.py parses the docs' command lines with it)."""
-    parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="also write every figure to this JSON file")
     parser.add_argument("--dtype", default=TrainConfig.dtype, choices=choices("dtype"),
                         help="compute and weight dtype of the train step (default: finetune-lora's, bfloat16)")
@@ -150,25 +145,6 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
-
-
-def json_path_problem(path: str) -> str | None:
-    """Why `path` cannot be written, or None; checked before any measuring, by opening it for appending (a file
-    that was not there is removed again)."""
-    target = Path(path)
-    if target.is_dir():
-        return "is a directory"
-    if not target.parent.is_dir():
-        return f"directory {target.parent} does not exist"
-    existed = target.exists()
-    try:
-        with open(target, "a"):
-            pass
-    except OSError as e:
-        return e.strerror or str(e)
-    if not existed:
-        target.unlink()
-    return None
 
 
 # ---- shapes ------------------------------------------------------------------------------------------------

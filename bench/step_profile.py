@@ -43,12 +43,13 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_runs import cpu_description  # noqa: E402
+from cli_runs import OneLineErrorParser, cpu_description, json_path_problem  # noqa: E402
 from dtypes import SHAPES  # noqa: E402
 from train import ALPHA, BATCH, LR, RANK, SEQ, TARGETS, step_times  # noqa: E402
 
 from jaxmodel import scopes  # noqa: E402
 
+PROG = "step_profile.py"
 SCAN, ZERO_FILL, OTHER = "layer scan", "zero fill", "other"
 # the scan's own ops: `jax.lax.scan` slices its inputs and writes its outputs with these
 _SCAN_OPS = ("dynamic_index_in_dim", "dynamic_update_index_in_dim")
@@ -144,7 +145,7 @@ def profile_table(events: list[dict], hlo_text: str, steps: int) -> dict:
                 for name, inst in comp.items() if inst.opcode == "dot"}
     ops = [e for e in events if e["name"] in instructions]
     if not ops:
-        raise SystemExit("step_profile.py: no event of the trace names an instruction of the compiled step "
+        raise SystemExit(f"{PROG}: no event of the trace names an instruction of the compiled step "
                          "(this backend's profiler names its kernels otherwise)")
     rows = {}
     for e in ops:
@@ -198,21 +199,30 @@ def print_table(table: dict) -> None:
           f"{sum(r['matmul_gflop'] for r in table['rows'].values()):.2f} | |")
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """This benchmark's options (tests/test_docs_commands.py parses the docs' command lines with it)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="bench",
                         help="the model's shape: bench/train.py's (default) or a pretrained model's (bench/dtypes.py)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="--dtype and --param-dtype of the step (default float32)")
-    parser.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")
-    parser.add_argument("--steps", type=int, default=3, help="steps timed untraced, and steps traced (default 3)")
+    parser.add_argument("--layers", type=positive, help="decoder layers (default: the shape's)")
+    parser.add_argument("--steps", type=positive, default=3, help="steps timed untraced, and steps traced (default 3)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     return parser
 
 
 def main() -> None:
     args = build_parser().parse_args()
+    if args.json and (problem := json_path_problem(args.json)):
+        raise SystemExit(f"{PROG}: error: --json {args.json}: {problem}")
     import device_measure as dm
     import jax
     import jax.numpy as jnp

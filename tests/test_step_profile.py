@@ -84,6 +84,21 @@ def test_a_trace_that_names_no_instruction_of_the_step_is_one_line():
         module.profile_table([event("sm90_xmma_gemm_kernel", 0, 10)], HLO, steps=1)
 
 
+@pytest.mark.parametrize("args, named", [
+    (["--steps", "0"], "--steps"),
+    (["--layers", "two"], "--layers"),
+    (["--json", "/nonexistent-dir/profile.json"], "--json /nonexistent-dir/profile.json"),
+    (["--json", "."], "--json ."),
+])
+def test_bad_input_is_one_line_before_any_measuring(args, named):
+    run = subprocess.run([sys.executable, "bench/step_profile.py", *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env=os.environ.copy(), check=False)
+    assert run.returncode != 0
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("step_profile.py: error: ") and named in lines[0], run.stderr
+    assert not run.stdout
+
+
 @pytest.mark.slow
 def test_the_real_steps_matmul_flops_per_part_are_the_models(tmp_path):
     from jaxmodel import scopes
