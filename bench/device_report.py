@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # neighbours: device_m
 import device_measure as dm
 import jax  # creates no devices until one is asked for
 import jaxlib
-from cli_runs import OneLineErrorParser, cpu_description, json_path_problem
+from cli_runs import OneLineErrorParser, cpu_description, json_path_problem, positive
 
 from finetune.config import TrainConfig
 from finetune.train.metrics import TIMED_SAMPLE_SECONDS
@@ -135,16 +135,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--step-devices", type=positive,
                         help="devices of the train step (default: 1 on CPU, every local device otherwise)")
     return parser
-
-
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 # ---- shapes ------------------------------------------------------------------------------------------------

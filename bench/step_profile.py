@@ -43,7 +43,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_runs import OneLineErrorParser, cpu_description, json_path_problem  # noqa: E402
+from cli_runs import OneLineErrorParser, cpu_description, json_path_problem, positive  # noqa: E402
 from dtypes import SHAPES  # noqa: E402
 from train import ALPHA, BATCH, LR, RANK, SEQ, TARGETS, step_times  # noqa: E402
 
@@ -197,13 +197,6 @@ def print_table(table: dict) -> None:
     print(f"| no op running | | {table['idle_ms']:.1f} | | | |")
     print(f"| the traced step | | {table['span_ms']:.1f} | | "
           f"{sum(r['matmul_gflop'] for r in table['rows'].values()):.2f} | |")
-
-
-def positive(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
-    return int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
