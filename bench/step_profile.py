@@ -10,10 +10,10 @@ and `--param-dtype` the given dtype, the other options finetune-lora's defaults,
 How the table is made:
 - Part: each op's HLO metadata names the `jax.named_scope`s it was traced in (jaxmodel/scopes.py: projections,
   LoRA, attention, RoPE, ...), in the forward pass, its recomputation and the gradients alike; the innermost one
-  counts (LoRA inside a projection is LoRA). A fused op counts under the part of the op XLA names it after (its
-  root). Ops outside every part: the layer scan's slices of the
-  stacked weights and saved values and its writes of them ("layer scan"), the zero-filling of the buffers the
-  scan writes into ("zero fill"), the rest ("other": residual adds, casts, the gradients' sums).
+  counts (LoRA inside a projection is LoRA). A fused op counts under the op_name XLA gives it. Ops outside every
+  part: the layer scan's slices of the stacked weights and saved values and its writes of them ("layer scan"),
+  the zero-filling of the buffers the scan writes into ("zero fill"), the rest ("other": residual adds, casts,
+  the gradients' sums).
 - Wall ms a step: each instant of the traced steps shared equally among the ops running then (XLA runs independent
   ops at once on the CPU's threads), so the rows add up to the traced step's time with "no op running". Op ms: the
   ops' own durations, which overlap.
@@ -62,6 +62,7 @@ _ARRAY = re.compile(r"\w+\[([\d,]*)\]")
 
 @dataclasses.dataclass
 class Instruction:
+    computation: str  # the name of the computation it is in
     shape: str
     opcode: str
     operands: list[str]
@@ -73,11 +74,12 @@ class Instruction:
 def parse_hlo(text: str) -> tuple[dict[str, dict[str, Instruction]], dict[str, Instruction]]:
     """(computation name -> its instructions by name, every instruction by name) of an HLO module's text."""
     computations: dict[str, dict[str, Instruction]] = {}
-    current = None
+    current, current_name = None, ""
     for line in text.splitlines():
         if not line.startswith(" "):
             match = _COMPUTATION.match(line)
-            current = computations.setdefault(match.group(1), {}) if match else None
+            current_name = match.group(1) if match else ""
+            current = computations.setdefault(current_name, {}) if match else None
             continue
         match = _INSTRUCTION.match(line)
         if current is None or not match:
@@ -86,7 +88,7 @@ def parse_hlo(text: str) -> tuple[dict[str, dict[str, Instruction]], dict[str, I
         operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
         called = re.search(r"calls=%?([\w.\-]+)", rest)
         op_name = re.search(r'op_name="([^"]*)"', rest)
-        current[name] = Instruction(shape, opcode, operands, called.group(1) if called else None,
+        current[name] = Instruction(current_name, shape, opcode, operands, called.group(1) if called else None,
                                     op_name.group(1) if op_name else "", line)
     everything = {name: inst for insts in computations.values() for name, inst in insts.items()}
     return computations, everything
@@ -106,11 +108,10 @@ def dot_flops(inst: Instruction, computation: dict[str, Instruction]) -> int:
 
 
 def matmul_flops(inst: Instruction, computations: dict[str, dict[str, Instruction]]) -> int | None:
-    """FLOPs of the dots in the computation an op calls (a fusion's), or None if it calls none (a top-level dot's
-    are counted by `profile_table`, from the computation it is in)."""
-    body = computations.get(inst.called) if inst.called else None
-    if body is None:
-        return None
+    """FLOPs of the dots an op runs (itself, or those of the computation it calls: a fusion's), or None if none."""
+    if inst.opcode == "dot":
+        return dot_flops(inst, computations[inst.computation])
+    body = computations.get(inst.called) if inst.called else {}
     dots = [dot_flops(i, body) for i in body.values() if i.opcode == "dot"]
     return sum(dots) if dots else None
 
@@ -141,18 +142,16 @@ def profile_table(events: list[dict], hlo_text: str, steps: int) -> dict:
     """Per part (and matmul / other ops within it): wall ms, op ms and matmul GFLOP a step, from the events of
     `steps` traced steps of the program `hlo_text`."""
     computations, instructions = parse_hlo(hlo_text)
-    top_dots = {name: dot_flops(inst, comp) for comp in computations.values()
-                for name, inst in comp.items() if inst.opcode == "dot"}
     ops = [e for e in events if e["name"] in instructions]
     if not ops:
         raise SystemExit(f"{PROG}: no event of the trace names an instruction of the compiled step "
                          "(this backend's profiler names its kernels otherwise)")
-    rows = {}
+    row_of, flops_of = [], []  # per event of `ops`
     for e in ops:
         inst = instructions[e["name"]]
-        flops = top_dots.get(e["name"], matmul_flops(inst, computations))
-        e["_row"] = (part_of(inst, e["name"]), "matmuls" if flops is not None else "other ops")
-        e["_flops"] = flops or 0
+        flops = matmul_flops(inst, computations)
+        row_of.append((part_of(inst, e["name"]), "matmuls" if flops is not None else "other ops"))
+        flops_of.append(flops or 0)
     # sweep over the events' starts and ends: each interval's time is shared among the ops running in it
     edges = sorted([(e["ts"], 1, i) for i, e in enumerate(ops)] + [(e["ts"] + e["dur"], -1, i)
                                                                      for i, e in enumerate(ops)],
@@ -161,18 +160,17 @@ def profile_table(events: list[dict], hlo_text: str, steps: int) -> dict:
     for t, kind, i in edges:
         if last is not None and t > last:
             for j in running:
-                wall[ops[j]["_row"]] += (t - last) / len(running)
+                wall[row_of[j]] += (t - last) / len(running)
             if not running:
                 idle += t - last
         last = t
         (running.add if kind == 1 else running.discard)(i)
     op_time, flops = collections.Counter(), collections.Counter()
-    for e in ops:
-        op_time[e["_row"]] += e["dur"]
-        flops[e["_row"]] += e["_flops"]
-    for row in wall:
-        rows[row] = {"wall_ms": wall[row] / 1e3 / steps, "op_ms": op_time[row] / 1e3 / steps,
-                     "matmul_gflop": flops[row] / 1e9 / steps}
+    for e, row, f in zip(ops, row_of, flops_of):
+        op_time[row] += e["dur"]
+        flops[row] += f
+    rows = {row: {"wall_ms": wall[row] / 1e3 / steps, "op_ms": op_time[row] / 1e3 / steps,
+                  "matmul_gflop": flops[row] / 1e9 / steps} for row in wall}
     span = (edges[-1][0] - edges[0][0]) / 1e3 / steps
     return {"rows": rows, "idle_ms": idle / 1e3 / steps, "span_ms": span}
 
