@@ -218,8 +218,8 @@ def test_a_conversation_costs_one_rendering_once_its_shape_is_checked(out, token
 TRIMMING_TEMPLATE = CHAT_TEMPLATE.replace("message['content']", "(message['content'] | trim)")
 
 
-def test_a_conversation_the_template_changes_is_rendered_prefix_by_prefix(out, tokenizer):
-    tokenizer.chat_template = TRIMMING_TEMPLATE
+def test_a_conversation_the_template_changes_is_rendered_prefix_by_prefix(out, tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenizer, "chat_template", TRIMMING_TEMPLATE)  # the module's tokenizer, restored after
     rows = [chat(words(n), words(5, n)) for n in range(1, 8)] + [chat("  hi ", " ok  "), chat("hi", "ok \n")]
     counting = CountingRenders(tokenizer)
     store = store_of(rows, counting, None, out)
@@ -228,12 +228,12 @@ def test_a_conversation_the_template_changes_is_rendered_prefix_by_prefix(out, t
     assert counting.real == len(rows) + (SHAPE_CHECKS + 2) * 2
 
 
-def test_a_shape_its_first_conversations_disagree_with_is_not_used(out, tokenizer):
+def test_a_shape_its_first_conversations_disagree_with_is_not_used(out, tokenizer, monkeypatch):
     """A template whose generation prompt depends on the last message's content: for the first conversation
     the shape's boundaries are not those of the prefix renderings, so no conversation of that shape uses them
     (the fourth, after two that agree, would otherwise train its header)."""
-    tokenizer.chat_template = CHAT_TEMPLATE.replace(
-        "{% if add_generation_prompt %}", "{% if add_generation_prompt and messages[-1]['content'] != 'short' %}")
+    monkeypatch.setattr(tokenizer, "chat_template", CHAT_TEMPLATE.replace(
+        "{% if add_generation_prompt %}", "{% if add_generation_prompt and messages[-1]['content'] != 'short' %}"))
     rows = [chat("short", "a"), chat("x", "b"), chat("y", "c"), chat("short", "d")]
     store = store_of(rows, tokenizer, None, out)
     assert_equals_reference(store, rows, tokenizer, None)
