@@ -22,8 +22,11 @@ How the table is made:
 - The last line: the model's FLOPs a step (4N + 12·L·T·H a token, finetune/train/metrics.py) at the matmul peak
   measured in the same run (`measure_peak_flops`), against the untraced step's median time: the step's MFU.
 
-Op events are matched to the compiled program by their HLO instruction names, which is how XLA:CPU's profiler
-names them; on a backend whose trace names its kernels otherwise, the script says that no op was matched.
+Op events are matched to the compiled program by the HLO instruction their `hlo_op` argument names (XLA:CPU's
+profiler also names the event so). Where the trace has device rows (`/device:...` processes: a GPU's or TPU's
+kernels, their names the kernels'), only those count: the host's rows there hold the kernels' launches. Each event
+counts its instruction's FLOPs, which is right where an instruction runs as one kernel (every op on the CPU).
+Checked on the CPU only; where no event names an instruction of the step, the script says so in one line.
 Time only on an idle machine: anything running beside it changes the figures several-fold.
 """
 
@@ -130,27 +133,36 @@ def part_of(inst: Instruction, name: str) -> str:
 
 
 def op_events(trace_dir: str) -> list[dict]:
-    """The complete ('X') events of the newest trace under `trace_dir`."""
+    """The complete ('X') events of the newest trace under `trace_dir`: those of its device rows where it has any."""
     files = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))
     with gzip.open(files[-1]) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+               and str(e.get("args", {}).get("name", "")).startswith("/device:")}
+    return [e for e in complete if e.get("pid") in devices] if devices else complete
+
+
+def instruction_name(event: dict) -> str:
+    """The HLO instruction an op event ran: its `hlo_op` argument, else its name."""
+    return event.get("args", {}).get("hlo_op", event["name"])
 
 
 def profile_table(events: list[dict], hlo_text: str, steps: int) -> dict:
     """Per part (and matmul / other ops within it): wall ms, op ms and matmul GFLOP a step, from the events of
     `steps` traced steps of the program `hlo_text`."""
     computations, instructions = parse_hlo(hlo_text)
-    ops = [e for e in events if e["name"] in instructions]
+    ops = [e for e in events if instruction_name(e) in instructions]
     if not ops:
         raise SystemExit(f"{PROG}: no event of the trace names an instruction of the compiled step "
                          "(this backend's profiler names its kernels otherwise)")
     row_of, flops_of = [], []  # per event of `ops`
     for e in ops:
-        inst = instructions[e["name"]]
+        name = instruction_name(e)
+        inst = instructions[name]
         flops = matmul_flops(inst, computations)
-        row_of.append((part_of(inst, e["name"]), "matmuls" if flops is not None else "other ops"))
+        row_of.append((part_of(inst, name), "matmuls" if flops is not None else "other ops"))
         flops_of.append(flops or 0)
     # sweep over the events' starts and ends: each interval's time is shared among the ops running in it
     edges = sorted([(e["ts"], 1, i) for i, e in enumerate(ops)] + [(e["ts"] + e["dur"], -1, i)

@@ -84,6 +84,33 @@ def test_a_trace_that_names_no_instruction_of_the_step_is_one_line():
         module.profile_table([event("sm90_xmma_gemm_kernel", 0, 10)], HLO, steps=1)
 
 
+def test_a_device_trace_counts_its_kernels_by_their_hlo_op_and_not_the_hosts_launches(tmp_path):
+    """A GPU-shaped trace: the host's row launches each instruction (an event named after it, as on the CPU) and the
+    device's row runs it as a kernel named otherwise; only the kernels count, matched by their `hlo_op`."""
+    import gzip
+
+    module = step_profile()
+
+    def on(pid, name, start, duration, hlo_op=None):
+        return {**event(name, start, duration), "pid": pid, "tid": 1, "args": {"hlo_op": hlo_op} if hlo_op else {}}
+
+    trace = {"traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
+        on(1, "ynn_fusion", 0, 5, "ynn_fusion"), on(1, "mul_fusion", 5, 5, "mul_fusion"),
+        on(2, "sm90_xmma_gemm_f32f32_kernel", 10, 100, "ynn_fusion"),
+        on(2, "loop_multiply_kernel", 110, 40, "mul_fusion"), on(2, "memcpy", 150, 10)]}
+    directory = tmp_path / "plugins" / "profile" / "run"
+    directory.mkdir(parents=True)
+    with gzip.open(directory / "host.trace.json.gz", "wt") as f:
+        json.dump(trace, f)
+    table = module.profile_table(module.op_events(str(tmp_path)), HLO, steps=1)
+    assert table["rows"] == {
+        ("projection", "matmuls"): {"wall_ms": 0.1, "op_ms": 0.1, "matmul_gflop": 2 * 16 * 4 * 8 / 1e9},
+        ("swiglu", "other ops"): {"wall_ms": 0.04, "op_ms": 0.04, "matmul_gflop": 0.0}}
+    assert table["span_ms"] == pytest.approx(0.14) and table["idle_ms"] == 0
+
+
 @pytest.mark.parametrize("args, named", [
     (["--steps", "0"], "--steps"),
     (["--layers", "two"], "--layers"),
