@@ -229,22 +229,3 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
-
-
-def json_path_problem(path: str) -> str | None:
-    """Why `path` cannot be written, or None; checked before any measuring, by opening it for appending (a file
-    that was not there is removed again)."""
-    target = Path(path)
-    if target.is_dir():
-        return "is a directory"
-    if not target.parent.is_dir():
-        return f"directory {target.parent} does not exist"
-    existed = target.exists()
-    try:
-        with open(target, "a"):
-            pass
-    except OSError as e:
-        return e.strerror or str(e)
-    if not existed:
-        target.unlink()
-    return None

@@ -35,7 +35,8 @@ from finetune.step.train_step import (
     optimizer_shardings,
     split_model,
 )
-from finetune.train.metrics import flops_per_token, measure_peak_flops, peak_memory_gb, seconds_per_call
+from finetune.step.flops import flops_per_token
+from finetune.train.metrics import measure_peak_flops, peak_memory_gb, seconds_per_call
 from jaxmodel.attention import attention
 from jaxmodel.config import LlamaConfig
 from jaxmodel.lora import apply_lora

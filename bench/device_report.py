@@ -10,7 +10,7 @@ checkpoint, no network, no torch. It measures, on the devices JAX sees:
   LoRA train step    tokens/s of finetune-lora's jit step (`finetune.step.train_step.jit_steps`, the CLI's
                      defaults: LoRA r=8 on all seven projections, remat, attention, loss and MLP chunks, AdamW)
                      on a random-weight Llama, median of the timed steps after two warm-up steps, each waited
-                     for; MFU = tokens/s x FLOPs per token (`finetune.train.metrics.flops_per_token`:
+                     for; MFU = tokens/s x FLOPs per token (`finetune.step.flops.flops_per_token`:
                      4N + 12·L·T·H) / (devices of the step x one device's peak in the step's dtype);
   memory             `finetune-lora --plan`'s total per device for the same run (`finetune.planning.plan.plan`)
                      against the measured peak: the busiest device's `memory_stats()["peak_bytes_in_use"]`, or on
@@ -64,9 +64,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # neighbours: device_m
 import device_measure as dm
 import jax  # creates no devices until one is asked for
 import jaxlib
-from cli_runs import OneLineErrorParser, cpu_description, json_path_problem, positive
+from cli_runs import OneLineErrorParser, cpu_description, positive
 
 from finetune.config import TrainConfig
+from finetune.planning.plan_json import json_path_problem
 from finetune.train.metrics import TIMED_SAMPLE_SECONDS
 from jaxmodel.config import LlamaConfig
 from jaxmodel.errors import UsageError, UserError

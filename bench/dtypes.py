@@ -46,7 +46,8 @@ SHAPES = {
 _JAX_FIGURES = """
 import json, sys
 import jax.numpy as jnp
-from finetune.train.metrics import flops_per_token, measure_peak_flops
+from finetune.step.flops import flops_per_token
+from finetune.train.metrics import measure_peak_flops
 from jaxmodel.config import LlamaConfig
 print(json.dumps({"float32": measure_peak_flops(jnp.float32, 2048, 10),
                   "bfloat16": measure_peak_flops(jnp.bfloat16, 2048, 10),

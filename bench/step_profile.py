@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import glob
 import gzip
 import json
-import math
 import re
 import statistics
 import sys
@@ -46,9 +44,12 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_runs import OneLineErrorParser, cpu_description, json_path_problem, positive  # noqa: E402
+from cli_runs import OneLineErrorParser, cpu_description, positive  # noqa: E402
 from dtypes import SHAPES  # noqa: E402
 from train import ALPHA, BATCH, LR, RANK, SEQ, TARGETS, step_times  # noqa: E402
+
+from finetune.planning.hlo_cost import Instruction, matmul_flops, parse_hlo  # noqa: E402
+from finetune.planning.plan_json import json_path_problem  # noqa: E402
 
 from jaxmodel import scopes  # noqa: E402
 
@@ -58,65 +59,6 @@ SCAN, ZERO_FILL, OTHER = "layer scan", "zero fill", "other"
 _SCAN_OPS = ("dynamic_index_in_dim", "dynamic_update_index_in_dim")
 # `transpose(jvp(lm_head))` and the like: a scope traced at the top of a differentiated function
 _WRAPPED = re.compile(r"^(?:[\w\-]+\()+|\)+$")
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
-_ARRAY = re.compile(r"\w+\[([\d,]*)\]")
-
-
-@dataclasses.dataclass
-class Instruction:
-    computation: str  # the name of the computation it is in
-    shape: str
-    opcode: str
-    operands: list[str]
-    called: str | None
-    op_name: str
-    line: str
-
-
-def parse_hlo(text: str) -> tuple[dict[str, dict[str, Instruction]], dict[str, Instruction]]:
-    """(computation name -> its instructions by name, every instruction by name) of an HLO module's text."""
-    computations: dict[str, dict[str, Instruction]] = {}
-    current, current_name = None, ""
-    for line in text.splitlines():
-        if not line.startswith(" "):
-            match = _COMPUTATION.match(line)
-            current_name = match.group(1) if match else ""
-            current = computations.setdefault(current_name, {}) if match else None
-            continue
-        match = _INSTRUCTION.match(line)
-        if current is None or not match:
-            continue
-        name, shape, opcode, rest = match.groups()
-        operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
-        called = re.search(r"calls=%?([\w.\-]+)", rest)
-        op_name = re.search(r'op_name="([^"]*)"', rest)
-        current[name] = Instruction(current_name, shape, opcode, operands, called.group(1) if called else None,
-                                    op_name.group(1) if op_name else "", line)
-    everything = {name: inst for insts in computations.values() for name, inst in insts.items()}
-    return computations, everything
-
-
-def _dims(shape: str) -> list[int]:
-    match = _ARRAY.search(shape)
-    return [int(d) for d in match.group(1).split(",") if d] if match else []
-
-
-def dot_flops(inst: Instruction, computation: dict[str, Instruction]) -> int:
-    """2 x output elements x contracted elements of a `dot` instruction (its operands looked up in `computation`)."""
-    lhs = _dims(computation[inst.operands[0]].shape)
-    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.line)
-    contracted = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting else 1
-    return 2 * math.prod(_dims(inst.shape)) * contracted
-
-
-def matmul_flops(inst: Instruction, computations: dict[str, dict[str, Instruction]]) -> int | None:
-    """FLOPs of the dots an op runs (itself, or those of the computation it calls: a fusion's), or None if none."""
-    if inst.opcode == "dot":
-        return dot_flops(inst, computations[inst.computation])
-    body = computations.get(inst.called) if inst.called else {}
-    dots = [dot_flops(i, body) for i in body.values() if i.opcode == "dot"]
-    return sum(dots) if dots else None
 
 
 def part_of(inst: Instruction, name: str) -> str:
@@ -152,7 +94,8 @@ def instruction_name(event: dict) -> str:
 def profile_table(events: list[dict], hlo_text: str, steps: int) -> dict:
     """Per part (and matmul / other ops within it): wall ms, op ms and matmul GFLOP a step, from the events of
     `steps` traced steps of the program `hlo_text`."""
-    computations, instructions = parse_hlo(hlo_text)
+    module = parse_hlo(hlo_text)
+    instructions = module.instructions
     ops = [e for e in events if instruction_name(e) in instructions]
     if not ops:
         raise SystemExit(f"{PROG}: no event of the trace names an instruction of the compiled step "
@@ -161,7 +104,7 @@ def profile_table(events: list[dict], hlo_text: str, steps: int) -> dict:
     for e in ops:
         name = instruction_name(e)
         inst = instructions[name]
-        flops = matmul_flops(inst, computations)
+        flops = matmul_flops(module, inst)
         row_of.append((part_of(inst, name), "matmuls" if flops is not None else "other ops"))
         flops_of.append(flops or 0)
     # sweep over the events' starts and ends: each interval's time is shared among the ops running in it
@@ -231,7 +174,8 @@ def main() -> None:
     import jax.numpy as jnp
 
     from finetune.config import TrainConfig
-    from finetune.train.metrics import flops_per_token, measure_peak_flops
+    from finetune.step.flops import flops_per_token
+    from finetune.train.metrics import measure_peak_flops
     from jaxmodel.config import LlamaConfig
 
     shape = {**SHAPES[args.shape], "rms_norm_eps": 1e-5}

@@ -225,7 +225,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    from finetune.train.metrics import flops_per_token
+    from finetune.step.flops import flops_per_token
     from jaxmodel import LlamaConfig
 
     flops = flops_per_token(LlamaConfig(**CONFIG), SEQ)

@@ -34,14 +34,7 @@ def main(argv: list[str] | None = None) -> int:
             _simulate_devices_for_plan(config.mesh)
         config.validate()
         if config.plan:
-            if config.fit:
-                from finetune.planning.fit import fit as run_plan
-            else:
-                from finetune.planning.plan import plan as run_plan
-
-            plan_report = run_plan(config)
-            print(plan_report)
-            return 0 if plan_report.fits else 1
+            return _plan(config)
         from finetune.train.loop import run_training
 
         summary = run_training(config)
@@ -49,6 +42,25 @@ def main(argv: list[str] | None = None) -> int:
         return report("finetune-lora", e)
     print(summary)
     return 0
+
+
+def _plan(config) -> int:
+    """`--plan` (`--fit`): print the plan, write it to `--plan-json`; exit 0 when it fits, else 1."""
+    from finetune.planning.plan_json import check_plan_json, write_plan_json
+
+    check_plan_json(config)  # before any compile
+    if config.fit:
+        from finetune.planning.fit import fit
+
+        plan_report = fit(config)
+    else:
+        from finetune.planning.plan import plan
+
+        plan_report = plan(config)
+    print(plan_report)
+    if config.plan_json:
+        write_plan_json(config.plan_json, plan_report.record(config))
+    return 0 if plan_report.fits else 1
 
 
 def _jax_started() -> bool:

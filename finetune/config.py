@@ -235,6 +235,13 @@ class TrainConfig:
     fit: bool = option(False, "with --plan: try --remat, --grad-accum and --mesh settings, fastest first, and print "
                               "the first that fits as a command line",
                        resume=Allowed("planning only"), plan_only=True)
+    device_model: str | None = option(None, "with --plan: the accelerator the predicted step time is for: mi300x, "
+                                            "mi325x, h100, h200, or a JSON file of bench/device_report.py --json "
+                                            "(default: the accelerator the plan runs on; mi300x on a CPU)",
+                                      resume=Allowed("planning only"), plan_only=True)
+    plan_json: str | None = option(None, "with --plan: also write the plan (memory, predicted time, collectives) "
+                                         "to this JSON file",
+                                   resume=Allowed("planning only"), plan_only=True)
     # plan-only: a quantized base is a property of the converted checkpoint a run trains on, never an option of the run
     quantize: Literal["none", "nf4", "int8"] = option("none", "with --plan --model-config: plan a base quantized "
                                                               "this way (convert-llama --quantize); a quantized "
@@ -280,8 +287,9 @@ class TrainConfig:
         except ValueError as e:
             raise ConfigFileError(f"--rank/--alpha/--targets/--lora-dropout: {e}") from None
         self._validate_objective()
-        if self.fit and not self.plan:
-            raise ConfigFileError("--fit goes with --plan")
+        for name in ("fit", "device_model", "plan_json"):
+            if getattr(self, name) and not self.plan:
+                raise ConfigFileError(f"--{flag_of(name)} goes with --plan")
         if self.plan:
             if not (self.model or self.model_config):
                 raise ConfigFileError("--plan needs --model-config CONFIG.json (or --model DIR)")

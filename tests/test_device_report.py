@@ -55,7 +55,7 @@ def test_report_has_every_figure_and_they_are_positive(quick_report):
 
 @pytest.mark.slow
 def test_mfu_and_flops_per_token_are_the_toolkits(quick_report):
-    from finetune.train.metrics import flops_per_token
+    from finetune.step.flops import flops_per_token
     from jaxmodel.config import LlamaConfig
 
     report, _ = quick_report

@@ -30,6 +30,11 @@ from finetune.step.checks import check_batch_split, check_rank, check_seq_len, l
 from finetune.step.train_step import (DTYPES, REFERENCE_FIELD, TrainState, batch_keys, jit_steps, make_optimizer,
                                      optimizer_shardings, split_model)
 from finetune.planning.allocator import FRACTION, UsableMemory, fraction_to_fit, usable_memory
+from finetune.planning.devices import DeviceModel, default_device_model, load_device_model
+from finetune.planning.hlo_cost import StepCost, step_cost
+from finetune.planning.plan_json import plan_record
+from finetune.planning.timing import Prediction, predict
+from finetune.step.flops import flops_per_token
 from jaxmodel.config import LlamaConfig
 from jaxmodel.formats.checkpoint import MANIFEST, checkpoint_quantization, read_manifest
 from jaxmodel.layers import QuantizedParam
@@ -58,6 +63,8 @@ class PlanReport:
     lines: list[str]
     frozen_parameters: int = 0  # of the unquantized model: a quantized projection counts its weight's values
     quantization: Quantization | None = None
+    prediction: Prediction | None = None
+    cost: StepCost | None = None  # the compiled step's counts the prediction is made of
 
     @property
     def margin(self) -> float:
@@ -80,6 +87,10 @@ class PlanReport:
     def fits(self) -> bool:
         return self.total <= self.capacity
 
+    def record(self, config: TrainConfig) -> dict:
+        """This plan of `config` as `--plan-json` writes it."""
+        return plan_record(config, self)
+
     def verdict(self) -> str:
         """`fits in ...` or `DOES NOT FIT in ...`, with the room left or missing and the fraction that would fit."""
         room = f"{self.capacity / GB:.1f} GB per device ({self.total / self.capacity:.0%} used"
@@ -96,8 +107,8 @@ class PlanReport:
         rows = [("frozen weights", self.weights), ("LoRA params + AdamW state", self.lora_and_optimizer),
                 ("batch", self.batch), ("activations / temporaries", self.temp),
                 (f"margin ({TEMPORARIES_MARGIN:.0%} of temporaries, measured)", self.margin), ("total", self.total)]
-        out = self.lines + [f"memory per device, mesh {mesh}, {self.backend} compiler "
-                            f"(compiled in {self.compile_seconds:.0f} s):"]
+        out = self.lines + (self.prediction.lines() if self.prediction is not None else [])
+        out += [f"memory per device, mesh {mesh}, {self.backend} compiler (compiled in {self.compile_seconds:.0f} s):"]
         out += [f"  {name:<40} {value / GB:10.2f} GB" for name, value in rows]
         out[-1] += f"  (compiler's figure {self.compiler_total / GB:.2f} GB)"
         out.append(f"  usable: {self.hbm / GB:g} GB x {self.usable.fraction:g} = {self.capacity / GB:.1f} GB per device "
@@ -150,10 +161,19 @@ def _abstract_on(tree, mesh, rules):
     return jax.tree.map(lay, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def plan_device_model(config: TrainConfig) -> DeviceModel:
+    """The device model `--device-model` names, else the one of the accelerator the plan runs on (MI300X on a CPU)."""
+    if config.device_model:
+        return load_device_model(config.device_model)
+    return default_device_model(jax.devices()[0].device_kind, jax.default_backend())
+
+
 def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
-    """The plan of `config`'s run; `cpu_bf16_figure=False` skips compiling the CPU compiler's own bf16 figure
-    (an extra compile that only informs)."""
+    """The plan of `config`'s run: its memory per device and its predicted time per step. On a CPU a 16-bit step
+    is compiled twice, in float32 for its memory and traffic and as itself for its collectives;
+    `cpu_bf16_figure=False` skips the second compile, and the plan then predicts no time."""
     usable = usable_memory()  # a bad allocator variable is an error before any compile
+    device = plan_device_model(config)  # a bad --device-model too
     source = Path(config.model_config or config.model)
     llama = LlamaConfig.from_hf(source)  # a clear error for a missing or malformed config
     raw = json.loads((source / "config.json" if source.is_dir() else source).read_text())
@@ -176,6 +196,7 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
     start = time.perf_counter()
     compiled, trees = _compile(config, llama, mesh, dtype, param_dtype, quantization,
                                lower=cpu_bf16_figure or not cpu_16bit)
+    cost = step_cost(compiled.as_text(), mesh.size, cpu_16bit) if compiled is not None else None
     frozen = frozen_parameter_count(trees["base"], quantization)
     lines = [f"model: {source} ({frozen / 1e9:.1f}B frozen parameters, "
              f"{sum(math.prod(x.shape) for x in jax.tree.leaves(trees['lora'])) / 1e6:.1f}M LoRA parameters)"]
@@ -203,15 +224,24 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
             lines.append(f"CPU compiler's own temporaries for the {config.dtype} step: "
                          f"{compiled.memory_analysis().temp_size_in_bytes / GB:.2f} GB (bf16 matmuls upcast to "
                          f"float32); estimate below: the float32 step's, scaled by {itemsize}/4")
+            # its ops and their traffic likewise; the collectives stay the bf16 step's own (their dtypes are right)
+            cost = dataclasses.replace(step_cost(f32.as_text(), mesh.size), collectives=cost.collectives)
     else:
         temp = float(compiled.memory_analysis().temp_size_in_bytes)
+    prediction = None
+    if cost is not None:
+        tokens = (2 * config.batch_size if config.preference else config.batch_size) * config.seq_len
+        prediction = predict(cost, device, config.dtype, tokens,
+                             flops_per_token(llama, config.seq_len, config.reference_forward) * tokens, mesh.size,
+                             bytes_scale=itemsize / 4 if cpu_16bit else 1.0)
     if config.show_sharding:
         lines = sharding_table(trees["base"], trees["lora"]) + lines
     return PlanReport(mesh=dict(mesh.shape), backend=backend, weights=per_device_bytes(trees["base"]),
                       lora_and_optimizer=per_device_bytes(trees["lora"]) + per_device_bytes(trees["opt_state"]),
                       batch=per_device_bytes(trees["batch"]), temp=temp,
                       compile_seconds=time.perf_counter() - start, hbm=config.hbm_gb * GB, usable=usable,
-                      lines=lines, frozen_parameters=frozen, quantization=quantization)
+                      lines=lines, frozen_parameters=frozen, quantization=quantization, prediction=prediction,
+                      cost=cost)
 
 
 def _reference_where(config: TrainConfig) -> str:

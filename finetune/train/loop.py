@@ -19,7 +19,8 @@ from finetune.config import TrainConfig
 from finetune.step.mesh import initialize_distributed
 from finetune.train.batches import batch_at, global_batch, pair_batch
 from finetune.train.prefetch import Prefetcher
-from finetune.train.metrics import MetricsWriter, flops_per_token, measure_peak_flops, peak_memory_gb
+from finetune.step.flops import flops_per_token
+from finetune.train.metrics import MetricsWriter, measure_peak_flops, peak_memory_gb
 from finetune.run.directory import RunDir
 from finetune.run.errors import RunDirError
 from finetune.run.files import CHECKPOINTS, METRICS, TENSORBOARD
