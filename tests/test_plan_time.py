@@ -6,9 +6,11 @@ import math
 
 import pytest
 
+from finetune.cli import main
 from finetune.config import TrainConfig
-from finetune.planning.devices import DEVICE_MODELS, DeviceModelError, device_model_from_report, load_device_model
-from finetune.planning.hlo_cost import StepCost
+from finetune.planning.devices import (DEVICE_MODELS, DeviceModelError, default_device_model, device_model_from_report,
+                                       load_device_model)
+from finetune.planning.hlo_cost import Collective, StepCost
 from finetune.planning.plan import plan
 from finetune.planning.timing import predict
 
@@ -136,13 +138,20 @@ def test_a_collective_takes_the_larger_of_its_latency_and_its_bus_bytes_over_the
 def test_the_prediction_adds_each_ops_roofline_and_the_collectives():
     device = DEVICE_MODELS["h200"]
     rate, bandwidth = device.matmul_flops_per_s("bfloat16"), device.hbm_bytes_per_s
+    # three matmuls of 1 ms each at the matmul rate (their bytes negligible), one op streaming 2 ms of bytes
     cost = StepCost(roofline_ops=[(rate * 1e-3, 1.0, 3), (0.0, bandwidth * 2e-3, 1)])
-    cost.collectives = []
     p = predict(cost, device, "bfloat16", tokens=1000, model_flops=rate * 3e-3, devices=1)
     assert p.compute_seconds == pytest.approx(3e-3) and p.memory_seconds == pytest.approx(2e-3)
-    assert p.step_seconds == pytest.approx(5e-3) and p.bound == "compute"
+    assert p.communication_seconds == 0 and p.step_seconds == pytest.approx(5e-3) and p.bound == "compute"
     assert p.tokens_per_s == pytest.approx(1000 / 5e-3)
     assert p.mfu == pytest.approx(3e-3 * device.matmul_fraction / 5e-3)
+    # and two all-gathers of 1 GiB over 8 devices, 7/8 of it over the bus each: nothing overlapped, or all of it
+    cost.collectives = [Collective("all-gather", 2**30, 8, 2, "ag", "")]
+    p = predict(cost, device, "bfloat16", tokens=1000, model_flops=rate * 3e-3, devices=8)
+    gather = 2**30 * 7 / 8 / device.bus_bytes_per_s(2**30, 8)
+    assert p.communication_seconds == pytest.approx(2 * gather) and p.bound == "communication"
+    assert p.step_seconds == pytest.approx(5e-3 + 2 * gather) and p.overlapped_seconds == pytest.approx(2 * gather)
+    assert p.collectives == {"all-gather": {"bytes": 2 * 2**30, "count": 2, "group_size": 8}}
 
 
 @pytest.mark.slow
@@ -151,6 +160,32 @@ def test_the_plan_prints_and_predicts_on_the_named_device(planned):
     text = str(report)
     assert "predicted time per step on mi300x (float32)" in text and "all-gather: " in text
     assert report.prediction.communication_seconds > 0 and report.prediction.step_seconds > 0
+
+
+def test_a_plan_on_a_cpu_is_for_the_target_node_and_on_a_gpu_for_itself():
+    assert default_device_model("cpu", "cpu") is DEVICE_MODELS["mi300x"]
+    assert default_device_model("NVIDIA H200", "gpu") is DEVICE_MODELS["h200"]
+    assert default_device_model("AMD Instinct MI325X", "gpu") is DEVICE_MODELS["mi325x"]
+    assert default_device_model("NVIDIA A100-SXM4-80GB", "gpu") is DEVICE_MODELS["mi300x"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device-model", "tpu9"], "--device-model tpu9: unknown device"),
+    (["--plan-json", "/nonexistent-dir/plan.json"], "--plan-json /nonexistent-dir/plan.json: directory "
+                                                   "/nonexistent-dir does not exist"),
+])
+def test_cli_bad_plan_options_are_one_line_before_compiling(tmp_path, capsys, args, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    assert main(["--plan", "--model-config", str(path), "--mesh", "dp=1,fsdp=8,mp=1", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1
+    assert captured.err.startswith(f"finetune-lora: error: {message}")
+
+
+def test_plan_options_go_with_plan(capsys):
+    assert main(["--device-model", "h100", "--model", "m", "--data", "d", "--out", "o"]) == 2
+    assert capsys.readouterr().err.strip() == "finetune-lora: error: --device-model goes with --plan"
 
 
 def test_device_models_by_name_and_from_a_report(tmp_path):

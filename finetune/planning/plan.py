@@ -117,9 +117,12 @@ class PlanReport:
         return "\n".join(out)
 
 
-def _param_dtype(config: TrainConfig, raw: dict):
+def param_dtype(config: TrainConfig):
+    """The dtype the planned run stores its weights in: `--param-dtype`, or `keep`: the checkpoint's config's."""
     if config.param_dtype != "keep":
         return DTYPES[config.param_dtype]
+    source = Path(config.model_config or config.model)
+    raw = json.loads((source / "config.json" if source.is_dir() else source).read_text())
     return DTYPES.get(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16", jnp.bfloat16)
 
 
@@ -176,7 +179,6 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
     device = plan_device_model(config)  # a bad --device-model too
     source = Path(config.model_config or config.model)
     llama = LlamaConfig.from_hf(source)  # a clear error for a missing or malformed config
-    raw = json.loads((source / "config.json" if source.is_dir() else source).read_text())
     mesh = make_mesh(config.mesh)
     check_seq_len(config, llama, mesh)
     check_rank(config, llama)
@@ -190,11 +192,11 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
             except ValueError as e:  # the block does not divide this projection's input dimension
                 raise ConfigFileError(f"--quantize {quantization.scheme}: {e} of {name} ({source}); "
                                       "convert-llama --quant-block sets the block") from None
-    dtype, param_dtype = DTYPES[config.dtype], _param_dtype(config, raw)
+    dtype, stored = DTYPES[config.dtype], param_dtype(config)
     backend, itemsize = jax.default_backend(), jnp.dtype(dtype).itemsize
     cpu_16bit = backend == "cpu" and itemsize < 4
     start = time.perf_counter()
-    compiled, trees = _compile(config, llama, mesh, dtype, param_dtype, quantization,
+    compiled, trees = _compile(config, llama, mesh, dtype, stored, quantization,
                                lower=cpu_bf16_figure or not cpu_16bit)
     cost = step_cost(compiled.as_text(), mesh.size, cpu_16bit) if compiled is not None else None
     frozen = frozen_parameter_count(trees["base"], quantization)
