@@ -67,6 +67,37 @@ def matmul_peaks(size: int, repeats: int = 5) -> dict[str, float]:
     return {name: measure_peak_flops(DTYPES[name], size, repeats) for name in ("float32", "bfloat16")}
 
 
+# ---- memory bandwidth --------------------------------------------------------------------------------------
+
+MEMORY_SIZES = tuple(2**k for k in range(16, 29, 2))  # 64 KiB ... 256 MiB read and written
+
+
+def memory_bandwidth_table(sizes: tuple[int, ...] = MEMORY_SIZES, repeats: int = 3) -> list[list[float]]:
+    """[[bytes, bytes/s], ...]: the bandwidth of an elementwise op reading and writing `bytes` in all (a float32
+    array of half that, `b * 1.0001 + 1e-7`), inside a compiled loop that runs it many times: an op of a compiled
+    step pays no dispatch and no fresh output memory, which a call per op would add. Best of `repeats` samples."""
+    table = []
+    for size in sizes:
+        rows = max(1, size // 2 // 4 // 256)
+        runs = max(4, min(256, 2**27 // size))
+        x = jnp.ones((rows, 256), jnp.float32)
+        loop = jax.jit(lambda a, runs=runs: jax.lax.fori_loop(0, runs, lambda i, b: b * 1.0001 + 1e-7, a))
+        jax.block_until_ready(loop(x))  # compiles
+        seconds = min(seconds_per_call(lambda: loop(x), repeats)) / runs
+        table.append([float(2 * x.size * 4), 2 * x.size * 4 / seconds])
+    return table
+
+
+def transcendentals_per_s(size: int = 2**20, repeats: int = 3) -> float:
+    """Elements of `exp` a second, inside a compiled loop over a float32 array of `size` bytes (small enough for a
+    cache: the rate of the units that compute them, not of memory). Best of `repeats` samples."""
+    runs = 64
+    x = jnp.ones((size // 4 // 256, 256), jnp.float32)
+    loop = jax.jit(lambda a: jax.lax.fori_loop(0, runs, lambda i, b: jnp.exp(b * -1e-3), a))
+    jax.block_until_ready(loop(x))  # compiles
+    return x.size * runs / min(seconds_per_call(lambda: loop(x), repeats))
+
+
 # ---- the LoRA train step -----------------------------------------------------------------------------------
 
 def mesh_spec(devices: int) -> str:
@@ -90,8 +121,8 @@ def train_config(model_config: Path, devices: int, batch: int, seq: int, dtype: 
 
 
 def plan_of(config: TrainConfig) -> PlanReport:
-    """`finetune-lora --plan` for `config` (without the CPU compiler's informative bf16 figure)."""
-    return plan(config, cpu_bf16_figure=False)
+    """`finetune-lora --plan` for `config`."""
+    return plan(config)
 
 
 def _on_mesh(tree, mesh):
@@ -258,6 +289,20 @@ def collective_bandwidth(devices: list, bytes_per_device: int, repeats: int = 5)
     return {"devices": n, "bytes_per_device": size, "all_reduce_seconds": reduce_s,
             "all_reduce_bus_bytes_per_s": size / reduce_s * 2 * (n - 1) / n, "all_gather_seconds": gather_s,
             "all_gather_bus_bytes_per_s": n * size / gather_s * (n - 1) / n}
+
+
+def collective_table(devices: list, sizes: tuple[int, ...], repeats: int = 3) -> dict:
+    """The device model's collective figures (finetune/planning/devices.py): all-reduce bus bandwidth over the first
+    2, 4, ... of `devices` at each of `sizes` bytes per device, `{"table": {GROUP: [[bytes, busbw], ...]}}`, and
+    `latency_s`: the time of a 4 KiB all-reduce over all of them."""
+    table = {}
+    group = 2
+    while group <= len(devices):
+        table[str(group)] = [[float(size), collective_bandwidth(devices[:group], size, repeats)[
+            "all_reduce_bus_bytes_per_s"]] for size in sizes]
+        group *= 2
+    latency = collective_bandwidth(devices, 4096, repeats)["all_reduce_seconds"]
+    return {"table": table, "latency_s": latency}
 
 
 # ---- parity ------------------------------------------------------------------------------------------------

@@ -21,7 +21,12 @@ checkpoint, no network, no torch. It measures, on the devices JAX sees:
   attention          forward + backward of one attention call, dense scores (`xla`) against `blockwise`, at
                      the model's heads for a row of each sequence length that fits (dense: scores at most half
                      the device; up to DENSE_SEQ_WITHOUT_LIMIT positions where the device reports no limit);
-  collectives        all-reduce and all-gather bus bandwidth over all local devices (nccl-tests' convention);
+  memory bandwidth   an elementwise op's, by the bytes it moves (64 KiB to 256 MiB), inside a compiled loop, and
+                     the rate of exp (bench/device_measure.py); with the matmul peak, the figures `--plan` predicts
+                     a step's time from (`--device-model report.json`): the report gives that prediction for its
+                     own step beside the measured one;
+  collectives        all-reduce and all-gather bus bandwidth over all local devices (nccl-tests' convention), and
+                     all-reduce over 2, 4, ... of them at four sizes, with a small all-reduce's latency;
   parity             the same float32 random model on the default device and on the CPU backend, every matmul
                      at "highest" precision: max |logit difference| / max |logit| (0 where the default device
                      is the CPU).
@@ -67,6 +72,7 @@ import jaxlib
 from cli_runs import OneLineErrorParser, cpu_description, positive
 
 from finetune.config import TrainConfig
+from finetune.planning.devices import device_model_from_report
 from finetune.planning.plan_json import json_path_problem
 from finetune.train.metrics import TIMED_SAMPLE_SECONDS
 from jaxmodel.config import LlamaConfig
@@ -325,8 +331,11 @@ def step_section(shape: Shape, args, bytes_limit: float | None, devices: list) -
         limit = gb(bytes_limit) if bytes_limit else "no reported limit"
         raise DoesNotFit(f"the train step ran out of device memory (--plan: {gb(plan.total)} per device, the device "
                          f"has {limit}): give a smaller --layers, --batch or --seq") from None
-    print(f"matmul peaks ({shape.matmul_size}²) ...", flush=True)
+    print(f"matmul peaks ({shape.matmul_size}²), memory bandwidth ...", flush=True)
     peaks = dm.matmul_peaks(shape.matmul_size)
+    table = dm.memory_bandwidth_table()
+    bandwidth = {"memory_bandwidth": {"bytes_per_s": table[-1][1], "table": table},
+                 "transcendentals_per_s": dm.transcendentals_per_s()}
     llama = llama_of(shape.model)
     notes = []
     if devices[0].platform == "cpu" and args.dtype == "bfloat16":
@@ -334,8 +343,15 @@ def step_section(shape: Shape, args, bytes_limit: float | None, devices: list) -
                      "--plan's bf16 figure is its accelerator estimate (the float32 step's, halved)")
     if bytes_limit and plan.total > bytes_limit:
         notes.append(f"--plan's total exceeds the device's {bytes_limit / 1e9:.1f} GB")
+    measured = device_model_from_report({"device_kind": devices[0].device_kind, "matmul_peak_flops": peaks,
+                                         **bandwidth}, "this run")
+    predicted = plan.prediction.on(plan.cost, measured) if plan.prediction is not None else None
     return shape, {"model": {"config": llama.to_hf(), "sized": shape.sized},
-            "matmul_peak_flops": peaks,
+            "matmul_peak_flops": peaks, **bandwidth,
+            "predicted_step": None if predicted is None else {
+                "seconds": predicted.ops_seconds, "compute_seconds": predicted.compute_seconds,
+                "memory_seconds": predicted.memory_seconds, "communication_seconds": predicted.communication_seconds,
+                "how": "finetune-lora --plan's prediction (its compute and memory) on this run's measured figures"},
             "matmul": {"size": shape.matmul_size,
                        "op": "x @ x, random operands in the dtype, float32 result (measure_peak_flops)"},
             "step": {**dm.step_figures(llama, config, times, peaks[args.dtype], len(devices)), "attention": impl,
@@ -358,7 +374,9 @@ def measure(args) -> dict:
                            "rows": attention_rows(shape, args.dtype, bytes_limit, platform)}
     if len(local) > 1:
         print(f"collectives over {len(local)} devices ...", flush=True)
-        report["collectives"] = guarded(lambda: dm.collective_bandwidth(local, shape.collective_bytes))
+        report["collectives"] = guarded(lambda: {
+            **dm.collective_bandwidth(local, shape.collective_bytes),
+            **dm.collective_table(local, tuple(shape.collective_bytes // 4**k for k in (3, 2, 1, 0)))})
     else:
         report["collectives"] = {"skipped": "one device"}
     print("logits parity with the CPU backend ...", flush=True)
@@ -408,6 +426,24 @@ def step_row(report: dict) -> str:
                f"{step['flops_per_token'] / 1e6:,.1f} MFLOP/token")
 
 
+def prediction_row(report: dict) -> str:
+    p = report["predicted_step"]
+    if p is None:
+        return row("LoRA train step: predicted", "-", "no prediction (a bf16 plan on a CPU without its bf16 compile)")
+    measured = report["step"]["median_step_seconds"]
+    return row("LoRA train step: predicted", f"{p['seconds']:.3f} s ({p['seconds'] / measured:.2f} of the measured)",
+               f"finetune-lora --plan's compute {p['compute_seconds']:.3f} s + memory {p['memory_seconds']:.3f} s on "
+               f"this run's matmul peak and memory bandwidth by op size (communication {p['communication_seconds']:.3f}"
+               f" s at the model's bus figures: not in the comparison)")
+
+
+def memory_bandwidth_row(report: dict) -> str:
+    table = report["memory_bandwidth"]["table"]
+    return row("memory bandwidth", ", ".join(f"{size / 2**20:g} MiB {bw / 1e9:,.0f} GB/s" for size, bw in table),
+               "an elementwise op moving that many bytes (read + written), inside a compiled loop; exp "
+               f"{report['transcendentals_per_s'] / 1e9:.2f} G elements/s")
+
+
 def memory_rows(report: dict) -> list[str]:
     memory = report["memory"]
     measured, planned_total = memory["measured_peak_bytes"], memory["plan_peak_bytes"]
@@ -429,11 +465,15 @@ def collectives_row(col: dict) -> str:
         return row("collectives", f"failed: {col['error']}")
     if "skipped" in col:
         return row("collectives", f"skipped: {col['skipped']}")
+    by_group = "; ".join(f"{group} devices: " + ", ".join(f"{size / 2**20:g} MiB {bw / 1e9:,.1f}" for size, bw in rows)
+                         for group, rows in col.get("table", {}).items())
     return row(f"collectives, {col['devices']} devices",
                f"all-reduce {col['all_reduce_bus_bytes_per_s'] / 1e9:,.1f} GB/s, all-gather "
-               f"{col['all_gather_bus_bytes_per_s'] / 1e9:,.1f} GB/s",
+               f"{col['all_gather_bus_bytes_per_s'] / 1e9:,.1f} GB/s; all-reduce GB/s by group and size: {by_group}; "
+               f"latency {col.get('latency_s', 0) * 1e6:,.0f} us",
                f"bus bandwidth, {col['bytes_per_device'] / 2**20:g} MiB float32 per device, median of 5 samples of "
-               f"calls back to back, >= {TIMED_SAMPLE_SECONDS * 1e3:g} ms each after the first")
+               f"calls back to back, >= {TIMED_SAMPLE_SECONDS * 1e3:g} ms each after the first; the table: median "
+               "of 3; latency: a 4 KiB all-reduce over every device")
 
 
 def parity_row(p: dict) -> str:
@@ -452,8 +492,8 @@ def table(report: dict) -> list[str]:
     where = (f"backend {report['backend']} ({report['device_kind']}, {report['platform_version']}), "
              f"{report['device_count']} device(s), jax {report['jax_version']}, jaxlib {report['jaxlib_version']}; "
              f"host: {report['host_cpu']}")
-    return [where, "", row("measurement", "figure", "how"), "|---|---|---|", *matmul_rows(report), step_row(report),
-            *memory_rows(report), *attention_table_rows(report), collectives_row(report["collectives"]),
+    return [where, "", row("measurement", "figure", "how"), "|---|---|---|", *matmul_rows(report),
+            memory_bandwidth_row(report), step_row(report), prediction_row(report), *memory_rows(report), *attention_table_rows(report), collectives_row(report["collectives"]),
             parity_row(report["parity"]), "", f"shape: {report['model']['sized']}",
             *(f"note: {note}" for note in report["notes"]),
             "skipped: " + ("; ".join(report["skipped"]) or "nothing")]

@@ -51,6 +51,30 @@ def test_report_has_every_figure_and_they_are_positive(quick_report):
     rows = report["attention"]["rows"]
     assert len(rows) == 2 and all(row["xla"] > 0 and row["blockwise"] > 0 for row in rows)
     assert "| LoRA train step |" in stdout and "| logits parity |" in stdout  # the table
+    table = report["memory_bandwidth"]["table"]
+    assert [size for size, _ in table] == sorted(size for size, _ in table) and all(bw > 0 for _, bw in table)
+    assert report["transcendentals_per_s"] > 0
+    predicted = report["predicted_step"]
+    assert predicted["seconds"] == pytest.approx(predicted["compute_seconds"] + predicted["memory_seconds"])
+    assert "| LoRA train step: predicted |" in stdout
+
+
+@pytest.mark.slow
+def test_the_report_is_a_device_model_for_plan(quick_report, tmp_path):
+    """`finetune-lora --plan --device-model report.json` reads the report's measured figures."""
+    from finetune.planning.devices import load_device_model
+
+    report, _ = quick_report
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    model = load_device_model(str(path))
+    assert model.matmul_flops_per_s("bfloat16") == report["matmul_peak_flops"]["bfloat16"]
+    assert model.memory_bytes_per_s(report["memory_bandwidth"]["table"][0][0]) == \
+        report["memory_bandwidth"]["table"][0][1]
+    if report["device_count"] > 1:
+        table = report["collectives"]["table"]
+        assert model.bus_bytes_per_s(table["2"][-1][0], 2) == table["2"][-1][1]
+        assert model.collective_latency_s == report["collectives"]["latency_s"]
 
 
 @pytest.mark.slow
@@ -75,6 +99,9 @@ def test_collectives_and_parity(quick_report):
     else:
         assert collectives["devices"] == report["device_count"]
         assert collectives["all_reduce_bus_bytes_per_s"] > 0 and collectives["all_gather_bus_bytes_per_s"] > 0
+        groups = [2**k for k in range(1, report["device_count"].bit_length()) if 2**k <= report["device_count"]]
+        assert list(collectives["table"]) == [str(g) for g in groups] and collectives["latency_s"] > 0
+        assert all(len(rows) == 4 and all(bw > 0 for _, bw in rows) for rows in collectives["table"].values())
     # CPU against CPU: the same program on the same backend
     assert report["parity"]["relative_difference"] <= 1e-6
     assert report["parity"]["max_abs_logit"] > 0

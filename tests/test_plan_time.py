@@ -139,7 +139,7 @@ def test_the_prediction_adds_each_ops_roofline_and_the_collectives():
     device = DEVICE_MODELS["h200"]
     rate, bandwidth = device.matmul_flops_per_s("bfloat16"), device.hbm_bytes_per_s
     # three matmuls of 1 ms each at the matmul rate (their bytes negligible), one op streaming 2 ms of bytes
-    cost = StepCost(roofline_ops=[(rate * 1e-3, 1.0, 3), (0.0, bandwidth * 2e-3, 1)])
+    cost = StepCost(roofline_ops=[(rate * 1e-3, 1.0, 0.0, 3), (0.0, bandwidth * 2e-3, 0.0, 1)])
     p = predict(cost, device, "bfloat16", tokens=1000, model_flops=rate * 3e-3, devices=1)
     assert p.compute_seconds == pytest.approx(3e-3) and p.memory_seconds == pytest.approx(2e-3)
     assert p.communication_seconds == 0 and p.step_seconds == pytest.approx(5e-3) and p.bound == "compute"

@@ -33,24 +33,25 @@ class DeviceModel:
     bus_bandwidth: dict[int, tuple[tuple[float, float], ...]]
     collective_latency_s: float  # the least time any collective takes
     source: str  # where the figures come from
+    # memory bandwidth an op reaches by the bytes it moves, [(bytes, bytes/s), ...] rising (measured: caches make
+    # small ops faster); empty: `hbm_bytes_per_s` for every op
+    memory_table: tuple[tuple[float, float], ...] = ()
+    # elements of exp, log, tanh, ... a second: what bounds such an op on a CPU's vector units; unbounded (not part
+    # of the model) for the accelerators of the table, whose special-function units keep such ops memory-bound
+    transcendentals_per_s: float = math.inf
 
     def matmul_flops_per_s(self, dtype: str) -> float:
         return self.peak_flops[dtype] * self.matmul_fraction
 
+    def memory_bytes_per_s(self, size: float) -> float:
+        """The memory bandwidth of an op moving `size` bytes."""
+        return _interpolated(self.memory_table, size) if self.memory_table else self.hbm_bytes_per_s
+
     def bus_bytes_per_s(self, size: float, group: int) -> float:
         """Bus bandwidth of a collective of `size` bytes over `group` devices: the table of the nearest group size
-        at or above it (the largest, past it), interpolated in log(size), flat past either end."""
+        at or above it (the largest, past it)."""
         groups = sorted(self.bus_bandwidth)
-        table = self.bus_bandwidth[next((g for g in groups if g >= group), groups[-1])]
-        sizes = [s for s, _ in table]
-        i = bisect.bisect_left(sizes, size)
-        if i == 0:
-            return table[0][1]
-        if i == len(table):
-            return table[-1][1]
-        (s0, b0), (s1, b1) = table[i - 1], table[i]
-        t = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
-        return b0 + t * (b1 - b0)
+        return _interpolated(self.bus_bandwidth[next((g for g in groups if g >= group), groups[-1])], size)
 
     def collective_seconds(self, kind: str, size: float, group: int) -> float:
         """Time of one collective of `size` bytes (hlo_cost's convention) over `group` devices."""
@@ -58,6 +59,19 @@ class DeviceModel:
             return 0.0
         bus = size * bus_factor(kind, group)
         return max(self.collective_latency_s, bus / self.bus_bytes_per_s(size, group))
+
+
+def _interpolated(table: tuple[tuple[float, float], ...], size: float) -> float:
+    """A table's figure at `size`: interpolated in log(size) between its points, flat past either end."""
+    sizes = [s for s, _ in table]
+    i = bisect.bisect_left(sizes, size)
+    if i == 0:
+        return table[0][1]
+    if i == len(table):
+        return table[-1][1]
+    (s0, b0), (s1, b1) = table[i - 1], table[i]
+    t = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
+    return b0 + t * (b1 - b0)
 
 
 def _xgmi_full_mesh(eight: tuple[tuple[float, float], ...]) -> dict[int, tuple[tuple[float, float], ...]]:
@@ -136,19 +150,22 @@ def device_model_from_report(report: object, where: str) -> DeviceModel:
     if not isinstance(report, dict):
         raise DeviceModelError(f"--device-model {where}: expected a JSON object (bench/device_report.py --json)")
     peaks = field(report.get("matmul_peak_flops"), "matmul_peak_flops", _peak_table)
-    bandwidth = field(report.get("memory_bandwidth", {}).get("bytes_per_s") if isinstance(
-        report.get("memory_bandwidth"), dict) else None, "memory_bandwidth.bytes_per_s", _positive)
+    memory = report.get("memory_bandwidth") if isinstance(report.get("memory_bandwidth"), dict) else {}
+    bandwidth = field(memory.get("bytes_per_s"), "memory_bandwidth.bytes_per_s", _positive)
+    memory_table = tuple((float(s), float(b)) for s, b in field(memory.get("table", []), "memory_bandwidth.table",
+                                                                   _size_table))
     collectives = report.get("collectives") if isinstance(report.get("collectives"), dict) else {}
     table = collectives.get("table")
-    if table is None:  # one device: no collective measured; a plan on one device has none to time
-        bus, latency = {1: ((1.0, 1.0),)}, 0.0
+    if table is None:  # no collective measured (one device): collectives cost nothing in the prediction
+        bus, latency = {1: ((1.0, math.inf),)}, 0.0
     else:
         field(table, "collectives.table", _bus_table)
         bus = {int(g): tuple((float(s), float(b)) for s, b in rows) for g, rows in table.items()}
         latency = float(field(collectives.get("latency_s"), "collectives.latency_s", _non_negative))
+    transcendentals = field(report.get("transcendentals_per_s", math.inf), "transcendentals_per_s", _positive)
     name = str(report.get("device_kind") or report.get("backend") or "measured")
     return DeviceModel(name, {k: float(v) for k, v in peaks.items()}, 1.0, float(bandwidth), bus, latency,
-                       f"measured: {where}")
+                       f"measured: {where}", memory_table, float(transcendentals))
 
 
 def _positive(value) -> bool:
@@ -170,11 +187,13 @@ def _bus_table(value) -> bool:
     """an object {GROUP_SIZE: [[bytes, bus bytes/s], ...]} with rising sizes"""
     if not isinstance(value, dict) or not value:
         return False
-    for group, rows in value.items():
-        if not str(group).isdigit() or not isinstance(rows, list) or not rows:
-            return False
-        if not all(isinstance(r, list) and len(r) == 2 and _positive(r[0]) and _positive(r[1]) for r in rows):
-            return False
-        if [r[0] for r in rows] != sorted(r[0] for r in rows):
-            return False
-    return True
+    return all(str(group).isdigit() and rows and _size_table(rows) for group, rows in value.items())
+
+
+def _size_table(value) -> bool:
+    """a list [[bytes, bytes/s], ...] with rising sizes"""
+    if not isinstance(value, list):
+        return False
+    if not all(isinstance(r, list) and len(r) == 2 and _positive(r[0]) and _positive(r[1]) for r in value):
+        return False
+    return [r[0] for r in value] == sorted(r[0] for r in value)

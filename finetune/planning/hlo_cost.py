@@ -9,6 +9,8 @@ without a known trip count counts once and is reported in `unknown_trip_counts`.
 Conventions:
 - **FLOPs**: 2 x output elements x contracted elements of every `dot` (inside fusions too) and of the GEMM
   custom calls of GPU backends (`__cublas$gemm`, `__cublas$lt$matmul`, hipBLASLt's). Elementwise work is not counted.
+- **Transcendentals**: elements computed by exp, log, tanh, logistic, sqrt, rsqrt, power and the like (inside
+  fusions too), as XLA's cost analysis counts them: on a CPU such an op is bound by its vector units, not memory.
 - **Bytes** (device-memory traffic): for each op the program runs (a fusion is one op), the bytes of its operands
   and its output, as XLA's cost analysis counts them; a slice of an operand (dynamic-slice, slice, gather inside or
   outside a fusion) counts the slice, and a dynamic-update-slice, which writes in place, counts only its update
@@ -46,6 +48,8 @@ _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "whil
 _SLICING = {"dynamic-slice", "slice", "gather"}
 _UPDATING = {"dynamic-update-slice", "scatter"}
 _GEMM_TARGETS = ("gemm", "matmul", "hipblaslt")
+_TRANSCENDENTAL = {"exponential", "exponential-minus-one", "log", "log-plus-one", "tanh", "logistic", "sqrt", "rsqrt",
+                   "cbrt", "power", "sine", "cosine", "tan", "atan2", "erf"}
 # XLA:CPU runs a bf16 or f16 all-reduce in float32 and names its reduction so; an accelerator reduces in 16 bits
 PROMOTED = "_promoted"
 
@@ -172,7 +176,9 @@ class StepCost:
     """Per device, per run of the module (a train step)."""
     flops: float = 0.0
     bytes: float = 0.0
-    roofline_ops: list[tuple[float, float, int]] = dataclasses.field(default_factory=list)  # (flops, bytes, count)
+    transcendentals: float = 0.0
+    # each op the program runs: (flops, bytes, transcendentals, how often it runs)
+    roofline_ops: list[tuple[float, float, float, int]] = dataclasses.field(default_factory=list)
     collectives: list[Collective] = dataclasses.field(default_factory=list)
     unknown_trip_counts: list[str] = dataclasses.field(default_factory=list)
 
@@ -231,9 +237,11 @@ def _walk(module: Module, computation: str, times: int, cost: StepCost, devices:
             continue
         flops = _op_flops(module, inst, instructions)
         moved = _op_bytes(module, inst, instructions)
+        transcendentals = _op_transcendentals(module, inst)
         cost.flops += flops * times
         cost.bytes += moved * times
-        cost.roofline_ops.append((flops, moved, times))
+        cost.transcendentals += transcendentals * times
+        cost.roofline_ops.append((flops, moved, transcendentals, times))
 
 
 def _upcast_from_16_bits(module: Module, inst: Instruction, instructions: dict[str, Instruction]) -> bool:
@@ -344,6 +352,15 @@ def _op_flops(module: Module, inst: Instruction, instructions: dict[str, Instruc
         return _gemm_flops(inst, instructions)
     if inst.opcode == "fusion":
         return sum(_op_flops(module, i, module.computations[c]) for c in inst.called.get("calls", [])
+                   for i in module.computations[c].values())
+    return 0.0
+
+
+def _op_transcendentals(module: Module, inst: Instruction) -> float:
+    if inst.opcode in _TRANSCENDENTAL:
+        return float(sum(math.prod(dims) for _, dims in arrays(inst.shape)))
+    if inst.opcode == "fusion":
+        return sum(_op_transcendentals(module, i) for c in inst.called.get("calls", [])
                    for i in module.computations[c].values())
     return 0.0
 

@@ -1,9 +1,10 @@
 """`--plan`'s time prediction: the compiled step's costs (`hlo_cost`) on a device model (`devices`).
 
 The model, per device and step:
-- each op the program runs takes max(its FLOPs / the matmul rate, its bytes / the memory bandwidth) (a roofline
-  per op: a matmul is bound by compute, an elementwise op by memory); `compute` and `memory` are the sums of the
-  ops bound by each;
+- each op the program runs takes the longest of its FLOPs at the matmul rate, its bytes at the memory bandwidth of
+  an op its size, and its transcendentals (exp, log, ...) at the device's rate for them (a roofline per op: a
+  matmul is bound by compute, an elementwise op by memory, or on a CPU by its vector units); `compute` is the sum
+  of the ops bound by FLOPs or transcendentals, `memory` of those bound by bytes;
 - each collective takes max(the latency, its bus bytes / the bus bandwidth at its size and group) (`communication`);
 - `step_seconds` = the ops' time + the communication, none of it overlapped; `overlapped_seconds` = the larger of
   the two, every collective hidden behind compute (XLA overlaps some on GPUs: the real step lies between);
@@ -32,6 +33,11 @@ class Prediction:
     collectives: dict[str, dict[str, float]]  # kind -> bytes, count, group_size; per device per step
     hlo_flops: float  # per device, counted in the compiled step (recomputation included)
     hlo_bytes: float
+    bytes_scale: float = 1.0  # `predict`'s
+
+    def on(self, cost: StepCost, device: DeviceModel) -> "Prediction":
+        """The same step (its `cost`) predicted on another device model."""
+        return predict(cost, device, self.dtype, self.tokens, self.model_flops, self.devices, self.bytes_scale)
 
     @property
     def ops_seconds(self) -> float:
@@ -85,12 +91,14 @@ def predict(cost: StepCost, device: DeviceModel, dtype: str, tokens: int, model_
     the float32 step's traffic at half: the CPU compiler runs bf16 elementwise work in float32)."""
     rate = device.matmul_flops_per_s(dtype)
     compute = memory = 0.0
-    for flops, moved, times in cost.roofline_ops:
-        flops_time, bytes_time = flops / rate, moved * bytes_scale / device.hbm_bytes_per_s
+    for flops, moved, transcendentals, times in cost.roofline_ops:
+        flops_time = max(flops / rate, transcendentals / device.transcendentals_per_s)
+        bytes_time = moved * bytes_scale / device.memory_bytes_per_s(moved * bytes_scale)
         if flops_time >= bytes_time:
             compute += flops_time * times
         else:
             memory += bytes_time * times
     communication = sum(device.collective_seconds(c.kind, c.bytes, c.group) * c.count for c in cost.collectives)
     return Prediction(device.name, dtype, compute, memory, communication, tokens, model_flops, devices,
-                      device.peak_flops[dtype], cost.collective_totals(), cost.flops, cost.bytes * bytes_scale)
+                      device.peak_flops[dtype], cost.collective_totals(), cost.flops, cost.bytes * bytes_scale,
+                      bytes_scale)
