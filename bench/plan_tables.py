@@ -9,6 +9,7 @@ the setting docs/405b-on-mi300x.md uses. Devices are simulated on CPU (the CLI d
     python bench/plan_tables.py --only 405b-cp8        # rows whose name contains the text
     python bench/plan_tables.py --only 405b-dpo        # the DPO rows only
     python bench/plan_tables.py --fit                  # also the --plan --fit examples of the docs (SFT and DPO)
+    python bench/plan_tables.py --time                 # predicted step times: 405B layouts, 8B/70B replicated
 
 Prints two markdown tables, SFT rows then DPO rows (`--objective dpo --reference base`; `--batch-size` counts
 pairs, and a step holds 2 rows a pair): weights, LoRA + AdamW, temporaries (the compiler's), the measured
@@ -18,6 +19,8 @@ margin, the total, and the verdict line of each plan.
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 from pathlib import Path
 
 from cli_runs import cpu_description, plan_figures, run_cli
@@ -57,6 +60,22 @@ DPO_ROWS = {
     "405b-dpo-fsdp8-8x4096-full-precomputed": (L405, FSDP8, 8, 4096,
                                                [*DPO, "--remat", "full", "--precompute-reference"]),
 }
+# Time (--time): 405B in bf16 and on an NF4 base at the reference run's shape and three longer ones, on fsdp, mp,
+# their mixes and cp; 8B and 70B with a replicated base (dp=8) beside fsdp=8 and mp=8.
+MP8, F4M2, F2M4, C2M4, DP8 = "dp=1,fsdp=1,mp=8", "dp=1,fsdp=4,mp=2", "dp=1,fsdp=2,mp=4", "dp=1,fsdp=1,cp=2,mp=4", \
+    "dp=8,fsdp=1,mp=1"
+_TIME_SHAPES = {"16x64": (16, 64, []), "16x2048": (16, 2048, ["--remat", "full"]),
+                "8x8192": (8, 8192, ["--remat", "full"]), "1x65536": (1, 65536, ["--remat", "full"])}
+_TIME_MESHES = {"16x64": (FSDP8, MP8, F4M2, F2M4), "16x2048": (FSDP8, MP8, F2M4),
+                "8x8192": (FSDP8, MP8, F2M4, CP8), "1x65536": (CP8, MP8, C2M4)}
+TIME_ROWS = {
+    f"405b{base}-{shape}-{mesh}": (L405, mesh, batch, seq, [*extra, *quantize])
+    for base, quantize in (("", []), ("-nf4", ["--quantize", "nf4"]))
+    for shape, (batch, seq, extra) in _TIME_SHAPES.items() for mesh in _TIME_MESHES[shape]
+}
+TIME_ROWS.update({f"{name}-16x2048-{mesh}": (config, mesh, 16, 2048, ["--remat", "full"])
+                  for name, config in (("8b", L8), ("70b", L70)) for mesh in (DP8, FSDP8, MP8)})
+
 # The --fit examples: 405B, 16 x 8192 on the node; DPO, 8 pairs x 8192.
 FIT = (L405, FSDP8, 16, 8192, [])
 DPO_FIT = (L405, FSDP8, 8, 8192, DPO)
@@ -88,12 +107,41 @@ def plan_table(rows: dict, env: dict, only: str = "") -> None:
     print("\n".join(table), flush=True)
 
 
+def time_table(rows: dict, env: dict, only: str = "") -> None:
+    """Plan each row through the CLI with --plan-json and print one markdown table of memory and predicted time."""
+    table = ["| plan | total a device | fits | predicted step | tokens/s | MFU | bound | collectives a device a step |",
+             "|---|---|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as workdir:
+        for name, row in rows.items():
+            if only not in name:
+                continue
+            path = Path(workdir) / f"{name}.json"
+            run = run_cli([*plan_command(*row), "--plan-json", path], env=env)
+            if not path.is_file():
+                print(f"{name}: FAILED (exit {run.returncode}): {run.error_lines()}", flush=True)
+                continue
+            record = json.loads(path.read_text())
+            p = record["predicted"]
+            moved = ", ".join(f"{kind} {c['bytes'] / 1e9:,.1f} GB" for kind, c in sorted(record["collectives"].items())
+                              if c["bytes"] >= 1e8) or "< 0.1 GB"
+            line = (f"| {name} | {record['memory']['total_bytes'] / 1e9:.1f} GB | "
+                    f"{'yes' if record['memory']['fits'] else 'no'} | {p['step_seconds']:.3g} s "
+                    f"({p['overlapped_step_seconds']:.3g} s overlapped) | {p['tokens_per_s']:,.0f} | {p['mfu']:.1%} | "
+                    f"{p['bound']} | {moved} |")
+            print(f"{name}: {' '.join(map(str, plan_command(*row)[1:]))}  ({run.seconds:.0f} s)\n{line}", flush=True)
+            table.append(line)
+    print("\n".join(table), flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """This benchmark's options (tests/test_docs_commands.py parses the docs' command lines with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="rows whose name contains this text")
     parser.add_argument("--fraction", default="0.95", help="XLA_CLIENT_MEM_FRACTION the plans are judged at")
     parser.add_argument("--fit", action="store_true", help="also run the docs' --plan --fit examples")
+    parser.add_argument("--time", action="store_true",
+                        help="the predicted-time table (405B on fsdp, mp, mixes and cp; 8B and 70B replicated) "
+                             "instead of the memory tables")
     return parser
 
 
@@ -102,7 +150,9 @@ def main() -> None:
     args = parser.parse_args()
     env = {"XLA_CLIENT_MEM_FRACTION": args.fraction}
     print(f"CPU: {cpu_description()}; XLA_CLIENT_MEM_FRACTION={args.fraction}, --hbm-gb 192", flush=True)
-    for rows in (ROWS, DPO_ROWS):
+    if args.time:
+        time_table(TIME_ROWS, env, args.only)
+    for rows in (ROWS, DPO_ROWS) if not args.time else ():
         if any(args.only in name for name in rows):
             plan_table(rows, env, args.only)
     for example in (FIT, DPO_FIT) if args.fit else ():
