@@ -77,12 +77,15 @@ class TrainConfig:
                                      "files (read in sorted name order), or a dataset id in the HF datasets cache",
                               resume=Refused("the rows the stored data position counts through"))
     data_format: Literal["auto", "text", "prompt-completion", "messages", "alpaca", "sharegpt", "preference",
-                         "preference-chat", "preference-conversations"] = option(
+                         "preference-chat", "preference-conversations", "preference-sharegpt",
+                         "preference-alpaca"] = option(
         "auto", "row layout of --data and --eval-data: text, prompt-completion, messages (OpenAI chat), alpaca "
-                "(instruction/input/output) or sharegpt (conversations of from/value); for a preference objective "
-                "preference (prompt/chosen/rejected strings), preference-chat (prompt messages, chosen/rejected "
-                "replies) or preference-conversations (chosen/rejected conversations sharing their prompt turns); "
-                "auto detects it and reports what it found",
+                "(instruction/input/output/system) or sharegpt (conversations of from/value, system); for a "
+                "preference objective preference (prompt/chosen/rejected strings), preference-chat (prompt messages, "
+                "chosen/rejected replies), preference-conversations (chosen/rejected conversations sharing their "
+                "prompt turns), preference-sharegpt (LLaMA-Factory's: conversations, chosen/rejected one from/value "
+                "message each, system) or preference-alpaca (LLaMA-Factory's: instruction/input, chosen/rejected "
+                "strings, system); auto detects it and reports what it found",
         resume=Refused("how each row becomes tokens and training targets"))
     data_split: str = option("train", "split of a dataset id given as --data",
                              resume=Refused("which rows --data names"))
