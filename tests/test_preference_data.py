@@ -332,6 +332,28 @@ def test_llama_factorys_demo_file_shape_trains_under_dpo_and_a_bad_row_is_named(
                                "'value'; found {'from': 'human', 'value': 'x'}")
 
 
+@pytest.mark.parametrize("bad, message", [
+    ({"chosen": [lf_turn("gpt", "a b")]}, "layout preference-sharegpt expects 'chosen' to be one message {from, value} "
+                                          "(the reply); found a list of 1 messages"),
+    ({"rejected": None}, "every pair needs a chosen and a rejected reply: add the rejected reply or drop the row"),
+    ({"conversations": [lf_turn("human", "hi"), lf_turn("function_call", "f()"), lf_turn("human", "ok")]},
+     "conversations turn 2: expected 'from' (system, human, gpt, user or assistant) and a string 'value'; found "
+     "{'from': 'function_call', 'value': 'f()'}"),
+])
+def test_a_bad_llama_factory_row_in_a_jsonl_file_is_named_by_its_line(tmp_path, tokenizer, bad, message):
+    rows = [{k: v for k, v in row.items() if k != "system"} for row in llama_factory_rows()["preference-sharegpt"][:9]]
+    rows[6] = {**rows[6], **bad}
+    source = open_source(str(write_jsonl(tmp_path / "d.jsonl", rows)))
+    layout = detect(source.dataset.column_names, source.description, features=source.dataset.features).layout
+    assert layout == "preference-sharegpt"
+    (tmp_path / "store").mkdir()
+    with pytest.raises(DataError) as info:
+        tokenize_to_store(source.dataset, tokenizer, 32, tmp_path / "store", layout=layout, where=source.where,
+                          batch_rows=4)
+    assert str(info.value).startswith(f"{tmp_path / 'd.jsonl'}:7: ") and str(info.value).endswith(message)
+    assert "\n" not in str(info.value)
+
+
 def test_llama_factorys_alpaca_pairs_load_under_dpo(tmp_path, tokenizer, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", llama_factory_rows()["preference-alpaca"])
     train, _ = load_data(config(data, tmp_path, seq_len=512), tokenizer)
