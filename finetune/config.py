@@ -77,12 +77,15 @@ class TrainConfig:
                                      "files (read in sorted name order), or a dataset id in the HF datasets cache",
                               resume=Refused("the rows the stored data position counts through"))
     data_format: Literal["auto", "text", "prompt-completion", "messages", "alpaca", "sharegpt", "preference",
-                         "preference-chat", "preference-conversations"] = option(
+                         "preference-chat", "preference-conversations", "preference-sharegpt",
+                         "preference-alpaca"] = option(
         "auto", "row layout of --data and --eval-data: text, prompt-completion, messages (OpenAI chat), alpaca "
-                "(instruction/input/output) or sharegpt (conversations of from/value); for a preference objective "
-                "preference (prompt/chosen/rejected strings), preference-chat (prompt messages, chosen/rejected "
-                "replies) or preference-conversations (chosen/rejected conversations sharing their prompt turns); "
-                "auto detects it and reports what it found",
+                "(instruction/input/output/system) or sharegpt (conversations of from/value, system); for a "
+                "preference objective preference (prompt/chosen/rejected strings), preference-chat (prompt messages, "
+                "chosen/rejected replies), preference-conversations (chosen/rejected conversations sharing their "
+                "prompt turns), preference-sharegpt (LLaMA-Factory's: conversations, chosen/rejected one from/value "
+                "message each, system) or preference-alpaca (LLaMA-Factory's: instruction/input, chosen/rejected "
+                "strings, system); auto detects it and reports what it found",
         resume=Refused("how each row becomes tokens and training targets"))
     data_split: str = option("train", "split of a dataset id given as --data",
                              resume=Refused("which rows --data names"))
@@ -136,6 +139,12 @@ class TrainConfig:
     seq_len: int = option(512, "tokens per sequence; a longer example is cut to it, with one warning counting "
                                "the examples cut and those left with no training target",
                           resume=Refused("the rows themselves (packing and truncation)"))
+    max_prompt_len: int = option(
+        0, "bound each prompt (of prompt-completion, alpaca and chat rows and of preference pairs) to N tokens, "
+           "keeping its end next to the reply: a chat keeps BOS, its system turn and the template's headers whole, "
+           "dropping whole old turns first, then the start of the oldest kept content; the data line counts the "
+           "prompts cut (0: prompts kept whole, a long one cut with its example by --seq-len)",
+        resume=Refused("the rows themselves (which prompt tokens each example keeps)"))
     pack: bool = option(True, "pack several examples per sequence (attention stays within each); "
                               "--no-pack pads each example to --seq-len",
                         resume=Refused("the rows themselves"))
@@ -280,6 +289,9 @@ class TrainConfig:
                 accepts, expected = OPTION_RANGES[f.name]
                 if not accepts(value):
                     raise ConfigFileError(f"--{flag_of(f.name)} must be {expected}, got {value}")
+        if self.max_prompt_len >= self.seq_len:
+            raise ConfigFileError(f"--max-prompt-len {self.max_prompt_len} must be below --seq-len {self.seq_len}: "
+                                  "the reply needs room after the prompt")
         if self.batch_size % self.grad_accum:
             raise ConfigFileError(f"--batch-size {self.batch_size} must be a multiple of --grad-accum {self.grad_accum}")
         try:
@@ -355,6 +367,7 @@ OPTION_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "batch_size": _POSITIVE_INT,
     "grad_accum": _POSITIVE_INT,
     "seq_len": (lambda v: v >= 2, "an integer >= 2 (a token's target is the next token)"),
+    "max_prompt_len": _COUNT,
     "lr": _POSITIVE,
     "warmup_steps": _COUNT,
     "min_lr_ratio": _UNIT_CLOSED,

@@ -17,7 +17,8 @@ from finetune.data.sources import open_source
 from finetune.data.layouts import DATA_FORMATS, LAYOUTS, canonical, detect
 
 ACCEPTED = ("text (text) | prompt-completion (prompt, completion) | messages (messages) | "
-            "alpaca (instruction, input (optional), output) | sharegpt (conversations)")
+            "alpaca (instruction, input (optional), output, system (optional)) | "
+            "sharegpt (conversations, system (optional))")
 
 
 def test_the_layouts_are_the_data_format_choices():
@@ -46,6 +47,20 @@ def test_alpaca_rows_render_the_stanford_alpaca_prompt():
         assert canonical(row, "alpaca", "w") == {"prompt": without_input, "completion": "red"}
 
 
+def test_an_alpaca_system_column_takes_the_place_of_the_templates_first_paragraph():
+    """The Stanford template's opening sentence is its system prompt: a row's `system` replaces it, with or
+    without an input; an empty or missing one keeps it."""
+    row = {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5", "system": "You add numbers."}
+    assert canonical(row, "alpaca", "w")["prompt"] == ("You add numbers.\n\n### Instruction:\nAdd the numbers.\n\n"
+                                                       "### Input:\n2 and 3\n\n### Response:\n")
+    row = {"instruction": "Name a colour.", "output": "red", "system": "Answer in one word."}
+    assert canonical(row, "alpaca", "w")["prompt"] == ("Answer in one word.\n\n### Instruction:\nName a colour.\n\n"
+                                                       "### Response:\n")
+    plain = canonical({"instruction": "Name a colour.", "output": "red"}, "alpaca", "w")
+    for system in ("", None):
+        assert canonical({"instruction": "Name a colour.", "output": "red", "system": system}, "alpaca", "w") == plain
+
+
 def test_alpaca_trains_the_output_only(tokenizer):
     row = {"instruction": "Add the numbers.", "input": "2 and 3", "output": " 5 is the sum"}
     (example,) = tokenize([("w", canonical(row, "alpaca", "w"))], tokenizer)
@@ -70,6 +85,18 @@ def test_sharegpt_rows_become_messages():
     assert canonical(sharegpt(CHAT), "sharegpt", "w") == {"messages": CHAT}
     same_names = {"system": "system", "user": "user", "assistant": "assistant"}
     assert canonical(sharegpt(CHAT, same_names), "sharegpt", "w") == {"messages": CHAT}
+
+
+def test_a_sharegpt_system_column_is_the_chats_system_turn(tokenizer):
+    """As LLaMA-Factory reads its ShareGPT rows: the `system` column is a system turn before the conversation."""
+    row = {**sharegpt(CHAT[1:]), "system": "Be brief."}
+    assert canonical(row, "sharegpt", "w") == {"messages": CHAT}
+    (with_column,) = tokenize([("w", canonical(row, "sharegpt", "w"))], tokenizer)
+    (as_messages,) = tokenize([("w", {"messages": CHAT})], tokenizer)
+    np.testing.assert_array_equal(with_column.ids, as_messages.ids)
+    np.testing.assert_array_equal(with_column.trained, as_messages.trained)
+    for system in ("", None):
+        assert canonical({**sharegpt(CHAT[1:]), "system": system}, "sharegpt", "w") == {"messages": CHAT[1:]}
 
 
 def test_sharegpt_trains_exactly_like_the_same_chat_as_messages(tokenizer):
@@ -98,12 +125,18 @@ def test_sharegpt_from_a_parquet_file_trains_like_messages_from_jsonl(tmp_path, 
 
 @pytest.mark.parametrize("columns, layout, report", [
     (["text"], "text", "1,000 rows, layout text (text)"),
-    (["prompt", "completion", "id"], "prompt-completion", "1,000 rows, layout prompt-completion (prompt, completion)"),
+    (["prompt", "completion", "id"], "prompt-completion",
+     "1,000 rows, layout prompt-completion (prompt, completion); column id not used"),
     (["messages"], "messages", "1,000 rows, layout messages (messages)"),
     (["instruction", "input", "output"], "alpaca", "1,000 rows, layout alpaca (instruction, input, output)"),
     (["output", "instruction"], "alpaca", "1,000 rows, layout alpaca (instruction, output)"),
-    (["conversations", "id"], "sharegpt", "1,000 rows, layout sharegpt (conversations)"),
+    (["conversations", "id"], "sharegpt", "1,000 rows, layout sharegpt (conversations); column id not used"),
+    (["conversations", "system"], "sharegpt", "1,000 rows, layout sharegpt (conversations, system)"),
+    (["instruction", "input", "output", "system", "history"], "alpaca",
+     "1,000 rows, layout alpaca (instruction, input, output, system); column history not used"),
     (["text", "messages"], "auto", "1,000 rows, layouts text (text) and messages (messages), decided per row"),
+    (["text", "messages", "id", "source"], "auto", "1,000 rows, layouts text (text) and messages (messages), "
+                                                   "decided per row; columns id, source not used"),
 ])
 def test_auto_detects_the_layout_from_the_columns(columns, layout, report):
     detection = detect(columns, "d.jsonl")
@@ -114,7 +147,7 @@ def test_auto_detects_the_layout_from_the_columns(columns, layout, report):
 def test_a_named_layout_reports_its_columns():
     detection = detect(["instruction", "input", "output", "text"], "d.jsonl", "alpaca")
     assert detection.layout == "alpaca"
-    assert detection.report(3) == "3 rows, layout alpaca (instruction, input, output)"
+    assert detection.report(3) == "3 rows, layout alpaca (instruction, input, output); column text not used"
 
 
 def test_columns_of_no_layout_are_one_line():
@@ -206,6 +239,14 @@ def test_messages_keep_their_keys_but_not_the_ones_a_table_filled_with_none():
     ("sharegpt", {"conversations": [{"from": "human", "value": "hi"}, {"from": "robot", "value": "beep"}]},
      "conversations turn 2: expected 'from' (system, human, gpt, user or assistant) and a string 'value'; "
      "found {'from': 'robot', 'value': 'beep'}"),
+    ("sharegpt", {"conversations": [{"from": "human", "value": "hi"}], "system": 3},
+     "layout sharegpt expects an optional 'system' string; found conversations (list), system (int)"),
+    ("sharegpt", {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "hi"}],
+                  "system": "Be kind."},
+     "layout sharegpt has a 'system' column and a system turn first in 'conversations': give the system prompt "
+     "once"),
+    ("alpaca", {"instruction": "i", "output": "o", "system": ["s"]},
+     "layout alpaca expects an optional 'system' string; found instruction (str), output (str), system (list)"),
     ("sharegpt", {"conversations": [{"from": "human", "value": None}]},
      "conversations turn 1: expected 'from' (system, human, gpt, user or assistant) and a string 'value'; "
      "found {'from': 'human', 'value': None}"),
@@ -221,6 +262,23 @@ def test_the_tokenizers_checks_of_a_chat_still_apply(tokenizer):
     with pytest.raises(DataError) as info:
         tokenize([("d.jsonl:1", row)], tokenizer)
     assert str(info.value) == "d.jsonl:1: 'messages' has no assistant turn to train on"
+
+
+def test_the_readme_layout_tables_example_rows_are_their_layouts(tmp_path):
+    """Each example row of README's layout table, in a JSONL file, is detected as the layout its line names."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme[readme.index("| layout | keys | trained | example row |"):]
+    lines = [line for line in table[:table.index("\n\n")].splitlines()[2:]]
+    assert [line.split("`")[1] for line in lines] == list(DATA_FORMATS[1:])
+    for line in lines:
+        layout, example = line.split("`")[1], line.rsplit("| `", 1)[1].rstrip("` |")
+        source = open_source(str(write_jsonl(tmp_path / f"{layout}.jsonl", [json.loads(example)])))
+        detection = detect(source.dataset.column_names, source.description, features=source.dataset.features)
+        assert detection.layout == layout
+        assert "not used" not in detection.report(1)
+        canonical(source.dataset[0], layout, source.where(0))
 
 
 def test_a_canonical_row_is_json():

@@ -63,8 +63,18 @@ CONVERSATION_PAIR = {"chosen": CHAT_PROMPT + [msg("assistant", "a b")],
                      "rejected": CHAT_PROMPT + [msg("assistant", "x")]}
 
 
+# LLaMA-Factory's layouts of the pairs above: ShareGPT-style (`conversations` ending with the user's turn, each
+# reply one {from, value} message, an optional `system` column) and Alpaca-style (strings).
+SHAREGPT_PAIR = {"conversations": [{"from": "human", "value": "reverse: a b"}, {"from": "gpt", "value": "b a"},
+                                   {"from": "human", "value": "again"}],
+                 "chosen": {"from": "gpt", "value": "a b"}, "rejected": {"from": "gpt", "value": "b a"},
+                 "system": "be brief"}
+ALPACA_PAIR = {"instruction": "Add the numbers.", "input": "2 and 3", "chosen": " 5", "rejected": " 6"}
+
+
 def test_the_preference_layouts_are_data_format_names():
-    assert set(PREFERENCE_LAYOUTS) == {"preference", "preference-chat", "preference-conversations"}
+    assert set(PREFERENCE_LAYOUTS) == {"preference", "preference-chat", "preference-conversations",
+                                       "preference-sharegpt", "preference-alpaca"}
     assert all(name in DATA_FORMATS for name in PREFERENCE_LAYOUTS)
     assert all(is_preference(name) for name in PREFERENCE_LAYOUTS)
     assert not any(is_preference(name) for name in ("auto", "text", "prompt-completion", "messages", "sharegpt"))
@@ -77,7 +87,15 @@ def test_the_preference_layouts_are_data_format_names():
     ([CONVERSATION_PAIR], "preference-conversations", "3 pairs, layout preference-conversations (chosen, rejected)"),
     # a prompt text beside whole conversations (as UltraFeedback's binarized rows): the conversations hold it
     ([CONVERSATION_PAIR | {"prompt": "again"}], "preference-conversations",
-     "3 pairs, layout preference-conversations (chosen, rejected)"),
+     "3 pairs, layout preference-conversations (chosen, rejected); column prompt not used"),
+    # LLaMA-Factory's: `conversations` with the replies (one message each), `instruction` with the replies
+    ([SHAREGPT_PAIR], "preference-sharegpt", "3 pairs, layout preference-sharegpt (conversations, chosen, rejected, "
+                                             "system)"),
+    ([{k: v for k, v in SHAREGPT_PAIR.items() if k != "system"} | {"id": 1}], "preference-sharegpt",
+     "3 pairs, layout preference-sharegpt (conversations, chosen, rejected); column id not used"),
+    ([ALPACA_PAIR], "preference-alpaca", "3 pairs, layout preference-alpaca (instruction, input, chosen, rejected)"),
+    ([ALPACA_PAIR | {"system": "s", "history": [["q", "a"]]}], "preference-alpaca",
+     "3 pairs, layout preference-alpaca (instruction, input, chosen, rejected, system); column history not used"),
 ])
 def test_auto_detects_the_preference_layouts_from_the_columns(tmp_path, rows, layout, report):
     source = open_source(str(write_jsonl(tmp_path / "d.jsonl", rows * 3)))
@@ -103,11 +121,25 @@ def test_a_chosen_column_without_a_rejected_one_is_one_line():
                                "on one reply per prompt, name the columns prompt and completion)")
 
 
+def test_columns_of_llama_factorys_pairs_without_types_are_its_layouts_and_an_sft_alpaca_stays_one():
+    assert detect(["conversations", "chosen", "rejected"], "d.jsonl").layout == "preference-sharegpt"
+    assert detect(["instruction", "input", "chosen", "rejected", "system"], "d.jsonl").layout == "preference-alpaca"
+    assert detect(["instruction", "output", "chosen", "rejected"], "d.jsonl").layout == "alpaca"
+    assert detect(["conversations", "instruction", "chosen", "rejected"], "d.jsonl").layout == "auto"
+    with pytest.raises(DataError, match="there is no 'rejected' column"):
+        detect(["conversations", "chosen"], "d.jsonl")
+
+
 def test_a_named_preference_layout_needs_its_columns():
     assert detect(["prompt", "chosen", "rejected"], "d.jsonl", "preference-chat").layout == "preference-chat"
     with pytest.raises(DataError, match="^d.jsonl: --data-format preference needs the columns prompt, chosen, "
                                         "rejected; found columns chosen, rejected$"):
         detect(["chosen", "rejected"], "d.jsonl", "preference")
+    assert detect(["conversations", "chosen", "rejected"], "d.jsonl",
+                  "preference-sharegpt").layout == "preference-sharegpt"
+    with pytest.raises(DataError, match="^d.jsonl: --data-format preference-alpaca needs the columns instruction, "
+                                        "chosen, rejected; found columns input, chosen, rejected$"):
+        detect(["input", "chosen", "rejected"], "d.jsonl", "preference-alpaca")
 
 
 def test_pairs_become_two_canonical_rows():
@@ -163,6 +195,170 @@ def test_a_pair_that_does_not_fit_its_layout_is_one_line_with_the_fix(layout, ro
     with pytest.raises(DataError) as info:
         canonical(row, layout, "d.jsonl:4")
     assert str(info.value) == f"d.jsonl:4: {message}"
+
+
+# ---- LLaMA-Factory's layouts -------------------------------------------------------------------------------------
+
+LF_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+
+
+def sharegpt_as_preference_chat(row):
+    """A preference-sharegpt row written by hand in the preference-chat layout: the system column a system turn
+    first, each {from, value} a {role, content}."""
+    system = [msg("system", row["system"])] if row.get("system") else []
+    prompt = system + [msg(LF_ROLES[t["from"]], t["value"]) for t in row["conversations"]]
+    return {"prompt": prompt, **{key: [msg("assistant", row[key]["value"])] for key in ("chosen", "rejected")}}
+
+
+def llama_factory_rows():
+    """Rows of both of LLaMA-Factory's preference layouts (their demo set's shapes: one to several turns ending
+    with the user's, a system turn in the conversation or a system column, or neither), whose sequences meet the
+    seq_lens below in their prompt, their reply and at a turn's boundary."""
+    sharegpt = []
+    for n in (1, 4, 12, 30, 200):
+        for m in (0, 1, 5, 14):
+            for shape in range(3):
+                turns = [{"from": "human", "value": words(n)}]
+                if shape == 1:
+                    turns = [{"from": "gpt" if k % 2 else "human", "value": words(k + 2, k)} for k in range(4)] + turns
+                row = {"conversations": turns, "chosen": {"from": "gpt", "value": words(m, 5)},
+                       "rejected": {"from": "gpt", "value": words(m + 3, 1)}}
+                if shape == 2:
+                    row["conversations"] = [{"from": "system", "value": words(6)}] + turns
+                sharegpt.append(row | ({"system": words(4, 2)} if shape == 1 else {}))
+    alpaca = [{"instruction": words(n), "input": words(k, 3) if k else None, "chosen": " " + words(m, 3),
+               "rejected": words(m + 2, 5), **({"system": words(s, 1)} if s else {})}
+              for n in (1, 7, 30) for k in (0, 5) for m in (0, 6, 40) for s in (0, 4)]
+    return {"preference-sharegpt": sharegpt, "preference-alpaca": alpaca}
+
+
+def test_llama_factory_pairs_become_two_canonical_rows():
+    assert canonical(SHAREGPT_PAIR, "preference-sharegpt", "w") == canonical(CHAT_PAIR, "preference-chat", "w")
+    assert canonical(SHAREGPT_PAIR, "preference-sharegpt", "w") == canonical(
+        sharegpt_as_preference_chat(SHAREGPT_PAIR), "preference-chat", "w")
+    stanford = ("Below is an instruction that describes a task, paired with an input that provides further "
+                "context. Write a response that appropriately completes the request.\n\n### Instruction:\nAdd the "
+                "numbers.\n\n### Input:\n2 and 3\n\n### Response:\n")
+    assert canonical(ALPACA_PAIR, "preference-alpaca", "w") == {"chosen": {"prompt": stanford, "completion": " 5"},
+                                                                "rejected": {"prompt": stanford, "completion": " 6"}}
+
+
+@pytest.mark.parametrize("seq_len", [None, 16, 64])
+def test_llama_factory_sharegpt_pairs_are_the_same_pairs_in_preference_chat_token_for_token(tmp_path, tokenizer,
+                                                                                            seq_len):
+    rows = llama_factory_rows()["preference-sharegpt"]
+    (tmp_path / "lf").mkdir()
+    (tmp_path / "chat").mkdir()
+    store = tokenize_to_store(rows, tokenizer, seq_len, tmp_path / "lf", layout="preference-sharegpt", batch_rows=7)
+    same = tokenize_to_store([sharegpt_as_preference_chat(row) for row in rows], tokenizer, seq_len,
+                             tmp_path / "chat", layout="preference-chat", batch_rows=7)
+    for name in ("ids", "trained", "starts"):
+        np.testing.assert_array_equal(getattr(store, name), getattr(same, name), err_msg=name)
+    assert_store_equals_reference(store, rows, "preference-sharegpt", tokenizer, seq_len)
+
+
+@pytest.mark.parametrize("seq_len", [None, 16, 64, 200])
+def test_llama_factory_alpaca_pairs_are_each_side_the_same_alpaca_row_token_for_token(tmp_path, tokenizer, seq_len):
+    rows = llama_factory_rows()["preference-alpaca"]
+    sft = [{k: v for k, v in row.items() if k not in ("chosen", "rejected")} | {"output": row[side]}
+           for row in rows for side in ("chosen", "rejected")]
+    (tmp_path / "pairs").mkdir()
+    (tmp_path / "sft").mkdir()
+    store = tokenize_to_store(rows, tokenizer, seq_len, tmp_path / "pairs", layout="preference-alpaca", batch_rows=7)
+    sft_store = tokenize_to_store(sft, tokenizer, seq_len, tmp_path / "sft", layout="alpaca", batch_rows=7)
+    for name in ("ids", "trained", "starts"):
+        np.testing.assert_array_equal(getattr(store, name), getattr(sft_store, name), err_msg=name)
+    assert_store_equals_reference(store, rows, "preference-alpaca", tokenizer, seq_len)
+
+
+def lf_turn(speaker, value):
+    return {"from": speaker, "value": value}
+
+
+@pytest.mark.parametrize("row, message", [
+    (SHAREGPT_PAIR | {"chosen": [lf_turn("gpt", "a b"), lf_turn("gpt", "b a")]},
+     "layout preference-sharegpt expects 'chosen' to be one message {from, value} (the reply); found a list of 2 "
+     "messages"),
+    (SHAREGPT_PAIR | {"rejected": "b a"},
+     "layout preference-sharegpt expects 'rejected' to be one message {from, value} (the reply); found str"),
+    (SHAREGPT_PAIR | {"rejected": None},
+     "layout preference-sharegpt expects a 'conversations' list and 'chosen' and 'rejected' replies (one message "
+     "{from, value} each); found conversations (list), chosen (dict), system (str); every pair needs a chosen and "
+     "a rejected reply: add the rejected reply or drop the row"),
+    (SHAREGPT_PAIR | {"chosen": lf_turn("human", "a b")},
+     "'chosen': expected 'from' gpt or assistant (the reply) and a string 'value'; found {'from': 'human', "
+     "'value': 'a b'}"),
+    (SHAREGPT_PAIR | {"conversations": [lf_turn("human", "hi"), lf_turn("observation", "42"), lf_turn("human", "ok")]},
+     "conversations turn 2: expected 'from' (system, human, gpt, user or assistant) and a string 'value'; found "
+     "{'from': 'observation', 'value': '42'}"),
+    (SHAREGPT_PAIR | {"conversations": [lf_turn("human", "hi"), lf_turn("gpt", "yo")]},
+     "layout preference-sharegpt expects 'conversations' to end with a user turn (the prompt the replies answer); "
+     "it ends with an assistant turn"),
+    ({"conversations": [], "chosen": SHAREGPT_PAIR["chosen"], "rejected": SHAREGPT_PAIR["rejected"]},
+     "layout preference-sharegpt expects 'conversations' to end with a user turn (the prompt the replies answer); "
+     "it has no user turn"),
+    ({"instruction": "i", "chosen": "c"},
+     "layout preference-alpaca expects 'instruction', 'chosen' and 'rejected' strings and optional 'input' and "
+     "'system' strings; found instruction (str), chosen (str); every pair needs a chosen and a rejected reply: add "
+     "the rejected reply or drop the row"),
+    ({"instruction": "i", "chosen": "c", "rejected": {"from": "gpt", "value": "r"}},
+     "layout preference-alpaca expects 'instruction', 'chosen' and 'rejected' strings and optional 'input' and "
+     "'system' strings; found instruction (str), chosen (str), rejected (dict); for replies given as messages use "
+     "the layout preference-sharegpt (a 'conversations' prompt)"),
+])
+def test_a_llama_factory_pair_that_does_not_fit_its_layout_is_one_line(row, message):
+    layout = "preference-sharegpt" if "conversations" in row else "preference-alpaca"
+    with pytest.raises(DataError) as info:
+        canonical(row, layout, "d.json row 4")
+    assert str(info.value) == f"d.json row 4: {message}"
+
+
+def test_llama_factorys_demo_file_shape_trains_under_dpo_and_a_bad_row_is_named(tmp_path, tokenizer, capsys):
+    """A JSON array file as LLaMA-Factory ships its demo pairs (each reply a struct): detected, loaded as pairs; a
+    bad row in it is one line naming the file and row."""
+    rows = llama_factory_rows()["preference-sharegpt"][:24]
+    data = tmp_path / "dpo_demo.json"
+    data.write_text(json.dumps([{k: v for k, v in row.items() if k != "system"} for row in rows]))
+    train, _ = load_data(config(data, tmp_path, seq_len=64), tokenizer)
+    assert isinstance(train, PairRows) and len(train) == 24
+    assert re.search(r"data: 24 pairs, layout preference-sharegpt \(conversations, chosen, rejected\); ",
+                     capsys.readouterr().err)
+    bad = [{k: v for k, v in row.items() if k != "system"} for row in rows]
+    bad[9]["chosen"] = {"from": "human", "value": "x"}
+    data.write_text(json.dumps(bad))
+    with pytest.raises(DataError) as info:
+        load_data(config(data, tmp_path, seq_len=64), tokenizer)
+    assert str(info.value) == (f"{data} row 10: 'chosen': expected 'from' gpt or assistant (the reply) and a string "
+                               "'value'; found {'from': 'human', 'value': 'x'}")
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"chosen": [lf_turn("gpt", "a b")]}, "layout preference-sharegpt expects 'chosen' to be one message {from, value} "
+                                          "(the reply); found a list of 1 messages"),
+    ({"rejected": None}, "every pair needs a chosen and a rejected reply: add the rejected reply or drop the row"),
+    ({"conversations": [lf_turn("human", "hi"), lf_turn("function_call", "f()"), lf_turn("human", "ok")]},
+     "conversations turn 2: expected 'from' (system, human, gpt, user or assistant) and a string 'value'; found "
+     "{'from': 'function_call', 'value': 'f()'}"),
+])
+def test_a_bad_llama_factory_row_in_a_jsonl_file_is_named_by_its_line(tmp_path, tokenizer, bad, message):
+    rows = [{k: v for k, v in row.items() if k != "system"} for row in llama_factory_rows()["preference-sharegpt"][:9]]
+    rows[6] = {**rows[6], **bad}
+    source = open_source(str(write_jsonl(tmp_path / "d.jsonl", rows)))
+    layout = detect(source.dataset.column_names, source.description, features=source.dataset.features).layout
+    assert layout == "preference-sharegpt"
+    (tmp_path / "store").mkdir()
+    with pytest.raises(DataError) as info:
+        tokenize_to_store(source.dataset, tokenizer, 32, tmp_path / "store", layout=layout, where=source.where,
+                          batch_rows=4)
+    assert str(info.value).startswith(f"{tmp_path / 'd.jsonl'}:7: ") and str(info.value).endswith(message)
+    assert "\n" not in str(info.value)
+
+
+def test_llama_factorys_alpaca_pairs_load_under_dpo(tmp_path, tokenizer, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", llama_factory_rows()["preference-alpaca"])
+    train, _ = load_data(config(data, tmp_path, seq_len=512), tokenizer)
+    assert isinstance(train, PairRows) and len(train) == len(llama_factory_rows()["preference-alpaca"])
+    assert "layout preference-alpaca (instruction, input, chosen, rejected, system); " in capsys.readouterr().err
 
 
 def test_a_row_missing_its_rejected_reply_is_named_by_its_line(tmp_path, tokenizer):
@@ -230,7 +426,7 @@ def assert_store_equals_reference(store, rows, layout, tokenizer, seq_len):
         np.testing.assert_array_equal(got.trained, expected.trained, err_msg=f"trained of example {e}: {rows[e // 2]}")
 
 
-@pytest.mark.parametrize("layout", list(PREFERENCE_LAYOUTS))
+@pytest.mark.parametrize("layout", ["preference", "preference-chat", "preference-conversations"])
 @pytest.mark.parametrize("seq_len", [None, 8, 16, 33, 64])
 def test_the_batched_path_equals_the_per_row_reference(tmp_path, tokenizer, layout, seq_len):
     rows = pair_rows()[layout]
@@ -559,7 +755,9 @@ def test_sft_rows_under_a_preference_objective_and_pairs_under_sft_are_one_line(
         f"{sft}: --objective dpo trains on chosen/rejected pairs, but the rows are not pairs (layout "
         f"prompt-completion; columns prompt, completion) (first row: {sft}:1): give a preference layout (preference "
         "(prompt, chosen, rejected) | preference-chat (prompt (messages), chosen, rejected) | "
-        "preference-conversations (chosen, rejected (whole conversations))) or use --objective sft")
+        "preference-conversations (chosen, rejected (whole conversations)) | preference-sharegpt (conversations, "
+        "chosen, rejected (one message each), system (optional)) | preference-alpaca (instruction, input (optional), "
+        "chosen, rejected, system (optional))) or use --objective sft")
     pairs = write_jsonl(tmp_path / "p.jsonl", [STRING_PAIR])
     with pytest.raises(DataError) as info:
         load_data(config(pairs, tmp_path, objective="sft"), tokenizer)

@@ -244,6 +244,7 @@ REFUSED = {
     "batch_size": (["--batch-size", "16"], "8 -> 16"),
     "grad_accum": (["--grad-accum", "2"], "1 -> 2"),
     "seq_len": (["--seq-len", "64"], "32 -> 64"),
+    "max_prompt_len": (["--max-prompt-len", "16"], "0 -> 16"),
     "pack": (["--no-pack"], "True -> False"),
     "seed": (["--seed", "1"], "0 -> 1"),
     "lr": (["--lr", "1e-3"], "0.003 -> 0.001"),

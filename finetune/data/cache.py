@@ -6,7 +6,8 @@ what decides how the tokenizer tokenizes (its whole serialized pipeline: vocabul
 tokens, normalizer, pre-tokenizer; or, for a tokenizer loaded unchanged from a directory, that directory's
 files and the library versions; its chat template; BOS and EOS; whether special tokens are split), the
 row layout (which also tells preference pairs, two examples a row, from SFT rows), the sequence length (a long
-row is tokenized only as far as it needs) and CACHE_VERSION. An entry is built in a temporary sibling directory
+row is tokenized only as far as it needs), the prompt bound (`--max-prompt-len`: a part of the key only when
+set, so the entries built without one keep their keys) and CACHE_VERSION. An entry is built in a temporary sibling directory
 and renamed into place with its `meta.json` written last, so a half-written entry is never used; the temporaries
 of a build that was killed are removed by the next build of that key. An exclusive lock (`flock` on `KEY.lock`)
 per key makes processes sharing the directory build an entry once: the others wait, then reuse it.
@@ -37,7 +38,7 @@ from finetune.data.workers import default_workers, tokenize_to_store
 from jaxmodel.formats.atomic import atomic_directory
 
 # Raised whenever what a stored entry holds for the same key would differ (tokenization or store format).
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 DIGEST_FILE = "digest.json"
 # Bytes of an array hashed at a time: the memory-mapped store is read in pieces, never whole.
 HASH_CHUNK_BYTES = 1 << 24
@@ -95,11 +96,13 @@ def _settings(tokenizer) -> bytes:
 
 
 def cache_key(data: dict[str, Any], tokenizer, layout: str, seq_len: int | None,
-              tokenizer_key: str | None = None) -> dict[str, Any]:
+              tokenizer_key: str | None = None, max_prompt: int | None = None) -> dict[str, Any]:
     """The parts of an entry's key (JSON-able; stored in its meta.json). `tokenizer_key`: the tokenizer's digest
-    when the caller knows it (`loaded_tokenizer_digest`), else `tokenizer_digest(tokenizer)`."""
+    when the caller knows it (`loaded_tokenizer_digest`), else `tokenizer_digest(tokenizer)`. `max_prompt`: the
+    prompt bound, a part only when set."""
+    bound = {} if max_prompt is None else {"max_prompt_len": max_prompt}
     return {"data": data, "tokenizer": tokenizer_key or tokenizer_digest(tokenizer), "layout": layout,
-            "seq_len": seq_len, "cache_version": CACHE_VERSION, "store_version": STORE_VERSION}
+            "seq_len": seq_len, **bound, "cache_version": CACHE_VERSION, "store_version": STORE_VERSION}
 
 
 def key_name(parts: dict[str, Any]) -> str:
@@ -172,15 +175,17 @@ def _write_digest(directory: Path, digest: str) -> None:
 
 
 def load_tokenized(source, tokenizer, seq_len: int | None, layout: str, *, cache: str | None = None,
-                   workers: int = 0, progress: bool = False, tokenizer_key: str | None = None) -> CachedData:
-    """`source`'s rows (a finetune.data.sources.DataSource) tokenized with `layout`: the cached store, or one
-    built now with `workers` processes (0: one per core, fewer for little data) and a progress bar.
-    `tokenizer_key`: see `cache_key`."""
-    parts = cache_key(source.fingerprint(), tokenizer, layout, seq_len, tokenizer_key)
+                   workers: int = 0, progress: bool = False, tokenizer_key: str | None = None,
+                   max_prompt: int | None = None) -> CachedData:
+    """`source`'s rows (a finetune.data.sources.DataSource) tokenized with `layout` (and prompts bounded to
+    `max_prompt` tokens): the cached store, or one built now with `workers` processes (0: one per core, fewer
+    for little data) and a progress bar. `tokenizer_key`: see `cache_key`."""
+    parts = cache_key(source.fingerprint(), tokenizer, layout, seq_len, tokenizer_key, max_prompt)
 
     def build(directory: Path) -> None:
         tokenize_to_store(source.dataset, tokenizer, seq_len, directory, layout=layout, where=source.where,
-                          workers=default_workers(workers, len(source)), progress=progress, meta={"key": parts})
+                          workers=default_workers(workers, len(source)), progress=progress, meta={"key": parts},
+                          max_prompt=max_prompt)
 
     return cached_tokenization(cache_root(cache), parts, build)
 

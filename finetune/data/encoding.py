@@ -7,6 +7,11 @@ the boundaries of its assistant turns come from its shape (`finetune.data.chat_s
 encoding by its offsets, and each is checked to tokenize as the prefix alone would; a row where any check
 fails goes through the reference path instead. A preference pair (`{"chosen": row, "rejected": row}`) is two
 examples, encoded among the batch's other rows; a chat side trains only its final turn (its last span).
+
+With a prompt bound (`max_prompt`): a prompt-completion prompt is encoded from its end (`encode_limited`'s
+`keep_end`), as the reference's `prompt_tail`; a chat whose first trained span starts within the bound is
+untouched, and one whose prompt is longer (or whose first trained span was not found) is bounded and tokenized
+by the reference path, which re-renders it (`finetune.data.reference.bound_chat_prompt`).
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ import numpy as np
 from finetune.data.chat_shapes import (MAX_REMEMBERED_TAIL, MAX_REMEMBERED_TAILS, MAX_SHAPES, SHAPE_CHECKS, ChatPlan,
                                        ChatShape)
 from finetune.data.layouts import AUTO, canonical as layout_canonical
-from finetune.data.reference import (CHARS_PER_TOKEN, CUT_MARGIN, PAIR_KEYS, first_characters, is_pair,
-                                     tokenize_pair, tokenize_reply, tokenize_row)
+from finetune.data.reference import (CHARS_PER_TOKEN, CUT_MARGIN, PAIR_KEYS, first_characters, is_pair, prompt_tail,
+                                     prompt_tail_limit, tokenize_pair, tokenize_reply, tokenize_row)
 from finetune.data.rows import DataError, Example
 
 Canonical = Callable[[dict, str, str], dict]
@@ -48,6 +53,7 @@ class EncodedBatch:
     lengths: np.ndarray  # int64 [examples]
     fallbacks: int = 0  # rows tokenized (in part) by the per-row reference path
     bad_row: int | None = None
+    prompts_cut: tuple[int, ...] = ()  # the rows (indices within the batch) whose prompt was bounded
 
 
 class BatchTokenizer:
@@ -55,9 +61,10 @@ class BatchTokenizer:
     together. Equal to `finetune.data.reference.tokenize` of the canonical rows."""
 
     def __init__(self, tokenizer, seq_len: int | None, layout: str = AUTO,
-                 canonical: Canonical = layout_canonical):
+                 canonical: Canonical = layout_canonical, max_prompt: int | None = None):
         self.tokenizer, self.layout, self.canonical = tokenizer, layout, canonical
         self.limit = None if seq_len is None else seq_len + 1
+        self.max_prompt = max_prompt
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         # The chat spans are found from offsets only where they are exact: a fast tokenizer that matches
@@ -79,7 +86,7 @@ class BatchTokenizer:
                 bad_layout = i
                 break
         try:
-            examples, fallbacks = self.tokenize(rows)  # the rows before a bad layout may hold an earlier bad row
+            examples, fallbacks, cut = self.tokenize(rows)  # the rows before a bad layout may hold an earlier bad row
         except _BadRow as bad:
             return EncodedBatch(*_empty(), bad_row=bad.index)
         if bad_layout is not None:
@@ -93,11 +100,12 @@ class BatchTokenizer:
             else:
                 for start, end in targets:
                     trained[at + start:at + end] = True
-        return EncodedBatch(ids, trained, lengths, fallbacks)
+        return EncodedBatch(ids, trained, lengths, fallbacks, prompts_cut=cut)
 
-    def tokenize(self, rows: Sequence[dict]) -> tuple[list[tuple[list[int], Targets]], int]:
-        """(ids, targets) of each canonical row's examples (one per row, two per pair), and how many rows went
-        (in part) through the reference path. Raises _BadRow for the first row the reference path rejects."""
+    def tokenize(self, rows: Sequence[dict]) -> tuple[list[tuple[list[int], Targets]], int, tuple[int, ...]]:
+        """(ids, targets) of each canonical row's examples (one per row, two per pair), how many rows went
+        (in part) through the reference path, and the rows whose prompt was bounded. Raises _BadRow for the first
+        row the reference path rejects."""
         # the examples to make: (row index, canonical row, how the reference path tokenizes it alone)
         units: list[tuple[int, dict, Callable]] = []
         broken = set()  # a pair that is not two rows: the reference path's error names what is wrong
@@ -110,18 +118,26 @@ class BatchTokenizer:
                 broken.add(len(units))
                 units.append((r, row, tokenize_pair))
         out: list[Any] = [None] * len(units)
+        cut: set[int] = set()  # rows whose prompt was bounded
         forms = [row for _, row, _ in units]
         texts = [i for i, row in enumerate(forms) if "text" in row and i not in broken]
         pairs = [i for i, row in enumerate(forms) if "prompt" in row and i not in broken]
         chats = [i for i, row in enumerate(forms) if "messages" in row and i not in broken]
         limit, bos, eos = self.limit, self.bos, self.eos
         sub = (lambda n: None) if limit is None else (lambda n: limit - n)
-        for i, ids in zip(texts, self.encode_prefixes([forms[i]["text"] for i in texts], [sub(len(bos))] * len(texts))):
+        for i, ids in zip(texts, self.encode_limited([forms[i]["text"] for i in texts], [sub(len(bos))] * len(texts))):
             ids = bos + ids + eos
             out[i] = ids, [(0, len(ids))]
-        prompts = [bos + ids for ids in
-                   self.encode_prefixes([forms[i]["prompt"] for i in pairs], [sub(len(bos))] * len(pairs))]
-        completions = self.encode_prefixes([forms[i]["completion"] for i in pairs], [sub(len(p)) for p in prompts])
+        prompt_texts = [forms[i]["prompt"] for i in pairs]
+        if self.max_prompt is None:
+            prompts = [bos + ids for ids in self.encode_limited(prompt_texts, [sub(len(bos))] * len(pairs))]
+        else:
+            tails = self.encode_limited(prompt_texts, [prompt_tail_limit(bos, self.max_prompt)] * len(pairs),
+                                        keep_end=True)
+            bounded = [prompt_tail(tail, bos, self.max_prompt) for tail in tails]
+            prompts = [prompt[:limit] for prompt, _ in bounded]
+            cut.update(units[i][0] for i, (_, was_cut) in zip(pairs, bounded) if was_cut)
+        completions = self.encode_limited([forms[i]["completion"] for i in pairs], [sub(len(p)) for p in prompts])
         for i, prompt, completion in zip(pairs, prompts, completions):
             out[i] = prompt + completion + eos, [(len(prompt), len(prompt) + len(completion) + len(eos))]
         fallback = set(broken)  # units the reference path tokenizes
@@ -134,13 +150,15 @@ class BatchTokenizer:
         for i in sorted(fallback):  # in row order: the first row the reference path rejects is reported
             r, row, alone = units[i]
             try:
-                example = alone("", row, self.tokenizer, limit)
+                example = alone("", row, self.tokenizer, limit, self.max_prompt)
             except DataError:
                 raise _BadRow(r) from None
             if not isinstance(example, Example):
                 raise RuntimeError("the reference path took a pair that is not two rows")
             out[i] = example.ids.tolist(), example.trained
-        return out, len({units[i][0] for i in fallback})
+            if example.prompt_cut:
+                cut.add(r)
+        return out, len({units[i][0] for i in fallback}), tuple(sorted(cut))
 
     def encode(self, texts: list[str], offsets: bool = False):
         """The tokenizer's batch encoding of `texts` (no special tokens added): the ids, or the encoding with
@@ -153,9 +171,10 @@ class BatchTokenizer:
                              return_offsets_mapping=offsets)
         return out if offsets else out["input_ids"]
 
-    def encode_prefixes(self, texts: list[str], limits: list[int | None]) -> list[list[int]]:
-        """`finetune.data.reference.encode_prefix(tokenizer, text, limit)` of each text, in batched calls: the same
-        prefixes (a character budget doubled until it yields enough tokens) in the same order."""
+    def encode_limited(self, texts: list[str], limits: list[int | None], keep_end: bool = False) -> list[list[int]]:
+        """`finetune.data.reference.encode_prefix(tokenizer, text, limit)` of each text (with `keep_end`,
+        `encode_suffix`), in batched calls: the same prefixes (ends) of the texts (a character budget doubled until
+        it yields enough tokens) in the same order."""
         out: list[Any] = [None] * len(texts)
         todo = []  # (index, character budget or None for the whole text)
         for i, (text, limit) in enumerate(zip(texts, limits)):
@@ -165,14 +184,15 @@ class BatchTokenizer:
                 todo.append((i, None if limit is None else CHARS_PER_TOKEN * (limit + CUT_MARGIN)))
         while todo:
             whole = [budget is None or budget >= len(texts[i]) for i, budget in todo]
-            encoded = self.encode([texts[i] if w else texts[i][:budget] for (i, budget), w in zip(todo, whole)])
+            encoded = self.encode([texts[i] if w else texts[i][-budget:] if keep_end else texts[i][:budget]
+                                   for (i, budget), w in zip(todo, whole)])
             again = []
             for (i, budget), w, ids in zip(todo, whole, encoded):
                 limit = limits[i]
                 if limit is None:
                     out[i] = ids
                 elif w or len(ids) >= limit + CUT_MARGIN:
-                    out[i] = ids[:limit]
+                    out[i] = ids[-limit:] if keep_end else ids[:limit]
                 else:
                     again.append((i, budget * 2))
             todo = again
@@ -208,6 +228,9 @@ class BatchTokenizer:
                 # left that message out
                 whole = len(plan.messages) == len(messages) and len(spans) == len(plan.boundaries)
                 spans = spans[-1:] if whole else []
+            if self.max_prompt is not None and (not spans or spans[0][0] > self.max_prompt):
+                out.append(None)  # a prompt longer than the bound (or not seen): the reference path bounds it
+                continue
             out.append((ids, spans) if limit is None else
                        (ids[:limit], [(start, min(end, limit)) for start, end in spans if start < limit]))
         return out

@@ -4,11 +4,15 @@ forms `finetune.data.reference.tokenize` takes: `{"text"}`, `{"prompt", "complet
 - text: `text` (every token trained);
 - prompt-completion: `prompt`, `completion` (only the completion trained);
 - messages: `messages`, OpenAI chat `[{"role", "content"}, ...]` (only assistant turns trained);
-- alpaca: `instruction`, optional `input`, `output` -> prompt-completion, the prompt rendered with the Stanford
-  Alpaca template (below), the output the completion;
+- alpaca: `instruction`, optional `input`, `output`, optional `system` -> prompt-completion, the prompt rendered
+  with the Stanford Alpaca template (below), the output the completion. The template's opening sentence is its
+  system prompt: a row's `system` takes its place. Rows render through this template, never the model's chat
+  template (LLaMA-Factory renders them through the chat template): an Alpaca row's tokens do not depend on the
+  tokenizer's template, and a base model without one trains on them;
 - sharegpt: `conversations`, `[{"from", "value"}, ...]` with `from` system, human or gpt (user and assistant
-  accepted too) -> messages with roles system, user and assistant: trains exactly as the same chat given as
-  `messages`.
+  accepted too), optional `system` -> messages with roles system, user and assistant, the `system` column a
+  system turn first (as LLaMA-Factory reads it; a row with both it and a system turn is an error): trains exactly
+  as the same chat given as `messages`.
 
 Preference layouts (`PREFERENCE_LAYOUTS`, for the preference objectives) hold a chosen and a rejected reply to
 one prompt; `canonical` maps a row to a pair `{"chosen": row, "rejected": row}` of the canonical forms above,
@@ -17,17 +21,23 @@ each side tokenized as that SFT row is, a chat training only its final message (
 - preference-chat: `prompt` a messages list, `chosen` and `rejected` the assistant reply (a list holding one
   assistant message, or a string) -> two messages rows, the prompt then the reply;
 - preference-conversations: `chosen` and `rejected` whole conversations sharing their prompt turns: the prompt
-  is their longest common prefix of messages, and what follows it on each side must be one assistant message.
+  is their longest common prefix of messages, and what follows it on each side must be one assistant message;
+- preference-sharegpt (LLaMA-Factory's ShareGPT pairs): `conversations` as sharegpt's, ending with a user turn,
+  `chosen` and `rejected` one `{"from": "gpt", "value"}` message each, optional `system` -> two messages rows,
+  each the sharegpt row of the conversation then that reply;
+- preference-alpaca (LLaMA-Factory's Alpaca pairs): `instruction`, optional `input`, `chosen` and `rejected`
+  strings, optional `system` -> two prompt-completion rows, each the alpaca row with that reply as its output.
 
-Other keys are ignored. A key whose value is None is absent: a table gives every row every column (and each
+Other keys are not read (`Detection.report` names the columns a layout leaves unread). A key whose value is None is absent: a table gives every row every column (and each
 chat turn every field any turn has), None where the row has none.
 
 `auto` takes the layout from the dataset's columns (`detect`); where the columns hold several layouts (a JSONL
 file mixing text and messages rows), each row takes the one of its keys, and a row with the keys of several
 (an alpaca dump with a `text` column) is an error asking for --data-format, which settles it. Columns holding
 `chosen` and `rejected` (and of the other layouts' keys only `prompt`) are a preference layout, which one decided
-by the columns' types where the dataset has them (`detect`'s `features`); a preference dataset never mixes with
-the other layouts.
+by the columns' types where the dataset has them (`detect`'s `features`); `chosen` and `rejected` with
+`conversations` (each reply a message struct) are preference-sharegpt, and with `instruction` (and no `output`)
+preference-alpaca. A preference dataset never mixes with the other layouts.
 """
 
 from __future__ import annotations
@@ -42,14 +52,16 @@ LAYOUTS = {
     "text": "text",
     "prompt-completion": "prompt, completion",
     "messages": "messages",
-    "alpaca": "instruction, input (optional), output",
-    "sharegpt": "conversations",
+    "alpaca": "instruction, input (optional), output, system (optional)",
+    "sharegpt": "conversations, system (optional)",
 }
 # Preference layout name -> the keys it reads, as shown to the user.
 PREFERENCE_LAYOUTS = {
     "preference": "prompt, chosen, rejected",
     "preference-chat": "prompt (messages), chosen, rejected",
     "preference-conversations": "chosen, rejected (whole conversations)",
+    "preference-sharegpt": "conversations, chosen, rejected (one message each), system (optional)",
+    "preference-alpaca": "instruction, input (optional), chosen, rejected, system (optional)",
 }
 AUTO = "auto"
 # Every --data-format name.
@@ -59,16 +71,26 @@ PAIR_KEYS = ("chosen", "rejected")
 # The keys that make a row (or column set) one of each layout, and those the layout cannot do without.
 _MARKS = {"text": ("text",), "prompt-completion": ("prompt", "completion"), "messages": ("messages",),
           "alpaca": ("instruction", "output"), "sharegpt": ("conversations",)}
-_READS = {**_MARKS, "alpaca": ("instruction", "input", "output"), "preference": ("prompt", *PAIR_KEYS),
-          "preference-chat": ("prompt", *PAIR_KEYS), "preference-conversations": PAIR_KEYS}
+# The columns each preference layout cannot do without.
+_PAIR_NEEDS = {"preference": ("prompt", *PAIR_KEYS), "preference-chat": ("prompt", *PAIR_KEYS),
+               "preference-conversations": PAIR_KEYS, "preference-sharegpt": ("conversations", *PAIR_KEYS),
+               "preference-alpaca": ("instruction", *PAIR_KEYS)}
+# The SFT key beside `chosen` and `rejected` that makes columns one of LLaMA-Factory's preference layouts.
+_PAIR_MARKS = {"conversations": "preference-sharegpt", "instruction": "preference-alpaca"}
+# Every key each layout reads.
+_READS = {**_MARKS, **_PAIR_NEEDS, "alpaca": ("instruction", "input", "output", "system"),
+          "sharegpt": ("conversations", "system"), "preference-sharegpt": ("conversations", *PAIR_KEYS, "system"),
+          "preference-alpaca": ("instruction", "input", *PAIR_KEYS, "system")}
 _ACCEPTED = " | ".join(f"{name} ({keys})" for name, keys in LAYOUTS.items())
 
-# The Stanford Alpaca prompts (github.com/tatsu-lab/stanford_alpaca, train.py), as most Alpaca fine-tunes use.
-ALPACA_PROMPT = ("Below is an instruction that describes a task, paired with an input that provides further context. "
-                 "Write a response that appropriately completes the request.\n\n"
-                 "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
-ALPACA_PROMPT_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately "
-                          "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+# The Stanford Alpaca prompts (github.com/tatsu-lab/stanford_alpaca, train.py), as most Alpaca fine-tunes use: an
+# opening sentence (the system prompt, which a row's `system` replaces), then the instruction and input.
+ALPACA_SYSTEM = ("Below is an instruction that describes a task, paired with an input that provides further context. "
+                 "Write a response that appropriately completes the request.")
+ALPACA_SYSTEM_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately "
+                          "completes the request.")
+ALPACA_PROMPT = "{system}\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+ALPACA_PROMPT_NO_INPUT = "{system}\n\n### Instruction:\n{instruction}\n\n### Response:\n"
 
 # ShareGPT speaker -> chat role.
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant"}
@@ -93,11 +115,14 @@ class Detection:
         def reads(name):
             return ", ".join(key for key in _READS[name] if key in self.columns)
 
+        read = {key for name in self.layouts for key in _READS[name]}
+        unread = [column for column in self.columns if column not in read]
+        unused = f"; column{'s' * (len(unread) > 1)} {', '.join(unread)} not used" if unread else ""
         if self.layout != AUTO:
             unit = "pairs" if is_preference(self.layout) else "rows"
-            return f"{n_rows:,} {unit}, layout {self.layout} ({reads(self.layout)})"
+            return f"{n_rows:,} {unit}, layout {self.layout} ({reads(self.layout)}){unused}"
         named = [f"{name} ({reads(name)})" for name in self.layouts]
-        return f"{n_rows:,} rows, layouts {', '.join(named[:-1])} and {named[-1]}, decided per row"
+        return f"{n_rows:,} rows, layouts {', '.join(named[:-1])} and {named[-1]}, decided per row{unused}"
 
 
 def detect(columns: Iterable[str], source: str, data_format: str = AUTO,
@@ -109,9 +134,9 @@ def detect(columns: Iterable[str], source: str, data_format: str = AUTO,
     columns = tuple(columns)
     if data_format != AUTO:
         if data_format in PREFERENCE_LAYOUTS:
-            if not set(_READS[data_format]) <= set(columns):
+            if not set(_PAIR_NEEDS[data_format]) <= set(columns):
                 raise DataError(f"{source}: --data-format {data_format} needs the columns "
-                                f"{', '.join(_READS[data_format])}; found columns {', '.join(columns)}")
+                                f"{', '.join(_PAIR_NEEDS[data_format])}; found columns {', '.join(columns)}")
             return Detection(data_format, (data_format,), columns)
         if data_format not in LAYOUTS:
             raise ValueError(f"unknown layout {data_format!r}")
@@ -130,16 +155,19 @@ def detect(columns: Iterable[str], source: str, data_format: str = AUTO,
 
 def _preference_layout(columns: tuple[str, ...], source: str, features: Mapping[str, Any] | None) -> str | None:
     """The preference layout of `columns`, None when they are not a preference dataset: they hold `chosen` or
-    `rejected` and of the other layouts' keys at most `prompt` (which a preference layout reads)."""
+    `rejected` and of the other layouts' keys at most `prompt` (which a preference layout reads) and one of
+    `_PAIR_MARKS` (which make them LLaMA-Factory's layouts)."""
     pair = [key for key in PAIR_KEYS if key in columns]
-    others = [key for keys in _MARKS.values() for key in keys if key in columns and key != "prompt"]
-    if not pair or others:
+    others = {key for keys in _MARKS.values() for key in keys if key in columns and key != "prompt"}
+    if not pair or (others and (len(others) > 1 or not others <= set(_PAIR_MARKS))):
         return None
     if len(pair) == 1:
         missing = next(key for key in PAIR_KEYS if key not in columns)
         raise DataError(f"{source}: columns {', '.join(columns)}: a preference layout needs both a chosen and a "
                         f"rejected reply per row, and there is no '{missing}' column; add it (or, to fine-tune on "
                         "one reply per prompt, name the columns prompt and completion)")
+    if others:
+        return _PAIR_MARKS[others.pop()]
     if "prompt" not in columns:
         return "preference-conversations"
     kinds = {key: _kind((features or {}).get(key)) for key in ("prompt", *PAIR_KEYS)}
@@ -184,14 +212,40 @@ def canonical(row: Mapping[str, Any], layout: str, where: str) -> dict[str, Any]
         instruction, given, output = row.get("instruction"), row.get("input"), row.get("output")
         if not (isinstance(instruction, str) and isinstance(output, str) and isinstance(given, (str, type(None)))):
             raise _mismatch(where, layout, "'instruction' and 'output' strings and an optional 'input' string", row)
-        prompt = (ALPACA_PROMPT.format(instruction=instruction, input=given) if given
-                  else ALPACA_PROMPT_NO_INPUT.format(instruction=instruction))
-        return {"prompt": prompt, "completion": output}
+        return {"prompt": _alpaca_prompt(row, layout, where), "completion": output}
     if layout == "sharegpt":
         if not isinstance(row.get("conversations"), list):
             raise _mismatch(where, layout, "a 'conversations' list", row)
-        return {"messages": [_sharegpt_turn(turn, k, where) for k, turn in enumerate(row["conversations"], 1)]}
+        return {"messages": _sharegpt_messages(row, layout, where)}
     raise ValueError(f"unknown layout {layout!r}")
+
+
+def _system(row: Mapping[str, Any], layout: str, where: str) -> str | None:
+    """The row's `system` column: a string, or None when absent or empty."""
+    system = row.get("system")
+    if not isinstance(system, (str, type(None))):
+        raise _mismatch(where, layout, "an optional 'system' string", row)
+    return system or None
+
+
+def _alpaca_prompt(row: Mapping[str, Any], layout: str, where: str) -> str:
+    """The Stanford Alpaca prompt of a row whose `instruction` (and `input`, when present) are strings, the
+    row's `system` in place of the template's opening sentence."""
+    instruction, given, system = row["instruction"], row.get("input"), _system(row, layout, where)
+    return (ALPACA_PROMPT.format(instruction=instruction, input=given, system=system or ALPACA_SYSTEM) if given
+            else ALPACA_PROMPT_NO_INPUT.format(instruction=instruction, system=system or ALPACA_SYSTEM_NO_INPUT))
+
+
+def _sharegpt_messages(row: Mapping[str, Any], layout: str, where: str) -> list[dict[str, str]]:
+    """The messages of a row whose `conversations` is a list, its `system` column a system turn first."""
+    turns = [_sharegpt_turn(turn, k, where) for k, turn in enumerate(row["conversations"], 1)]
+    system = _system(row, layout, where)
+    if system is None:
+        return turns
+    if turns and turns[0]["role"] == "system":
+        raise DataError(f"{where}: layout {layout} has a 'system' column and a system turn first in 'conversations': "
+                        "give the system prompt once")
+    return [{"role": "system", "content": system}] + turns
 
 
 def _pair(row: Mapping[str, Any], layout: str, where: str) -> dict[str, Any]:
@@ -218,7 +272,40 @@ def _pair(row: Mapping[str, Any], layout: str, where: str) -> dict[str, Any]:
             raise _pair_mismatch(where, layout, "'chosen' and 'rejected' conversations (messages lists)", row,
                                  "each value must be a messages list")
         return _split_conversations(chosen, rejected, where)
+    if layout == "preference-sharegpt":
+        if not (isinstance(row.get("conversations"), list) and chosen is not None and rejected is not None):
+            raise _pair_mismatch(where, layout, "a 'conversations' list and 'chosen' and 'rejected' replies (one "
+                                 "message {from, value} each)", row, "each reply must be one message")
+        prompt = _sharegpt_messages(row, layout, where)
+        if not prompt or prompt[-1]["role"] != "user":
+            role = prompt[-1]["role"] if prompt else None
+            ends = f"ends with {'an' if role == 'assistant' else 'a'} {role} turn" if role else "has no user turn"
+            raise DataError(f"{where}: layout {layout} expects 'conversations' to end with a user turn (the prompt "
+                            f"the replies answer); it {ends}")
+        return {key: {"messages": prompt + [_sharegpt_reply(reply, key, where)]}
+                for key, reply in zip(PAIR_KEYS, (chosen, rejected))}
+    if layout == "preference-alpaca":
+        if not (all(isinstance(value, str) for value in (row.get("instruction"), chosen, rejected))
+                and isinstance(row.get("input"), (str, type(None)))):
+            raise _pair_mismatch(where, layout, "'instruction', 'chosen' and 'rejected' strings and optional 'input' "
+                                 "and 'system' strings", row, "for replies given as messages use the layout "
+                                 "preference-sharegpt (a 'conversations' prompt)")
+        prompt = _alpaca_prompt(row, layout, where)
+        return {key: {"prompt": prompt, "completion": reply} for key, reply in zip(PAIR_KEYS, (chosen, rejected))}
     raise ValueError(f"unknown layout {layout!r}")
+
+
+def _sharegpt_reply(reply: Any, key: str, where: str) -> dict[str, str]:
+    """The assistant message a preference-sharegpt reply (one {from, value} message) is."""
+    if not isinstance(reply, dict):
+        found = f"a list of {len(reply)} messages" if isinstance(reply, list) else type(reply).__name__
+        raise DataError(f"{where}: layout preference-sharegpt expects '{key}' to be one message {{from, value}} (the "
+                        f"reply); found {found}")
+    if not (SHAREGPT_ROLES.get(reply.get("from")) == "assistant" and isinstance(reply.get("value"), str)):
+        shown = {name: reply.get(name) for name in ("from", "value")}
+        raise DataError(f"{where}: '{key}': expected 'from' gpt or assistant (the reply) and a string 'value'; "
+                        f"found {shown}")
+    return {"role": "assistant", "content": reply["value"]}
 
 
 def _reply(reply: Any, key: str, where: str) -> dict[str, Any]:

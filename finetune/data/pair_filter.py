@@ -50,7 +50,7 @@ class PairReport:
         if self.dropped:
             raise DataError(f"{source}: no pair keeps a training target in both its chosen and rejected sequences "
                             f"within --seq-len {self.seq_len}: all {self.pairs} were dropped (first: "
-                            f"{self.first_dropped}); raise --seq-len or shorten the prompts")
+                            f"{self.first_dropped}); raise --seq-len, or bound the prompts with --max-prompt-len")
         raise DataError(f"{source}: no preference pairs to train on")
 
     def __add__(self, other: "PairReport") -> "PairReport":

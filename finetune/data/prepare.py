@@ -104,7 +104,7 @@ def pack_data(config: TrainConfig, run_data: RunData, main: bool = True, *, ways
         if eval_rows is not None:
             line += f" (+ {len(eval_rows):,} held out, from {len(eval_examples):,} rows)"
         line += f"; {report.truncated:,} truncated, {report.examples - report.with_targets:,} with no targets"
-        _print_summary(config, run_data, report.warning(), line)
+        _print_summary(config, run_data, report.warning(), line + _prompts_cut(config, run_data))
     return train_rows, None if eval_rows is None else eval_rows.padded_to_multiple(config.batch_size)
 
 
@@ -140,8 +140,21 @@ def pack_pairs(config: TrainConfig, run_data: RunData, main: bool = True, *, way
         if eval_rows is not None:
             line += f" (+ {len(eval_rows):,} held-out pairs, {eval_rows.eval_steps:,} steps)"
         line += f"; {report.truncated:,} truncated, {report.dropped:,} dropped"
-        _print_summary(config, run_data, report.warning(), line)
+        _print_summary(config, run_data, report.warning(), line + _prompts_cut(config, run_data))
     return train_rows, eval_rows
+
+
+def _prompts_cut(config: TrainConfig, run_data: RunData) -> str:
+    """The data line's count of the rows (pairs) of --data and --eval-data whose prompt --max-prompt-len cut, and
+    the first of them; nothing without the option."""
+    if not config.max_prompt_len:
+        return ""
+    stores = [run_data.data] + ([run_data.held_out] if config.eval_data else [])
+    cut = sum(tokenized.cached.data.meta["prompts_cut"] for tokenized in stores)
+    firsts = [tokenized.source.where(tokenized.cached.data.meta["first_prompt_cut"]) for tokenized in stores
+              if tokenized.cached.data.meta["first_prompt_cut"] is not None]
+    first = f" (first: {firsts[0]})" if firsts else ""
+    return f"; {cut:,} prompts cut to --max-prompt-len {config.max_prompt_len}{first}"
 
 
 def _print_summary(config: TrainConfig, run_data: RunData, warning: str | None, line: str) -> None:
@@ -197,7 +210,8 @@ def _tokenized(config: TrainConfig, source: DataSource, tokenizer, main: bool,
                     getattr(source.dataset, "features", None))
     check_objective(config, source, layout)
     cached = load_tokenized(source, tokenizer, config.seq_len, layout.layout, cache=config.data_cache,
-                            workers=config.data_workers, progress=config.progress and main, tokenizer_key=tokenizer_key)
+                            workers=config.data_workers, progress=config.progress and main, tokenizer_key=tokenizer_key,
+                            max_prompt=config.max_prompt_len or None)
     return _Tokenized(source, layout, cached)
 
 

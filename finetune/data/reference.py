@@ -9,6 +9,14 @@ of the whole rendering after the rendering of the prompt with the generation pro
 sequence (`segment_ids` keep attention within each document, positions restart) or padded one to a sequence.
 An example longer than the sequence is cut to it; given the sequence length, `tokenize` tokenizes a long row only
 as far as it needs (`encode_prefix`), so a giant row costs what the sequence holds, not what the row holds.
+
+With a prompt bound (`max_prompt`, `--max-prompt-len`), the prompt of a prompt-completion row and of a chat (the
+tokens before its first trained one: a preference side's prompt, or an SFT chat's turns before its first
+assistant turn) keeps at most that many tokens, its end next to the reply: a prompt-completion prompt keeps BOS
+and the last tokens of its text (`prompt_tail`); a chat keeps its leading system turns whole and drops whole old
+turns, then the start of the oldest kept content, and is rendered again (`bound_chat_prompt`), so BOS, the system
+turn and the template's headers are never cut. A prompt within the bound is untouched; the example says whether
+its prompt was cut (`Example.prompt_cut`).
 Training does not run this path: `tokenize` is the reference that `finetune.data.workers` (batched, in worker
 processes, into a cached store) equals and falls back to row by row (`tokenize_row`), and `build_rows` the one
 `finetune.data.packing` equals. The tests compare the two token for token and mask for mask.
@@ -17,7 +25,7 @@ processes, into a cached store) equals and falls back to row by row (`tokenize_r
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -44,12 +52,14 @@ CUT_MARGIN = 32
 CHARS_PER_TOKEN = 8
 
 
-def tokenize(rows: Sequence[tuple[str, dict[str, Any]]], tokenizer, seq_len: int | None = None) -> list[Example]:
+def tokenize(rows: Sequence[tuple[str, dict[str, Any]]], tokenizer, seq_len: int | None = None,
+             max_prompt: int | None = None) -> list[Example]:
     """Examples with loss masks, by each row's format. With `seq_len`, an example longer than that is
     tokenized only as far as its first `seq_len + 1` tokens (they equal the whole row's first tokens; the one
-    beyond `seq_len` marks it as longer)."""
+    beyond `seq_len` marks it as longer). With `max_prompt`, prompts are bounded to that many tokens (see the
+    module docstring)."""
     limit = None if seq_len is None else seq_len + 1
-    return [example for where, row in rows for example in tokenize_examples(where, row, tokenizer, limit)]
+    return [example for where, row in rows for example in tokenize_examples(where, row, tokenizer, limit, max_prompt)]
 
 
 def is_pair(row: dict[str, Any]) -> bool:
@@ -57,31 +67,34 @@ def is_pair(row: dict[str, Any]) -> bool:
     return any(row.get(key) is not None for key in PAIR_KEYS)
 
 
-def tokenize_examples(where: str, row: dict[str, Any], tokenizer, limit: int | None = None) -> list[Example]:
+def tokenize_examples(where: str, row: dict[str, Any], tokenizer, limit: int | None = None,
+                      max_prompt: int | None = None) -> list[Example]:
     """The examples of one canonical row: one for an SFT row, two (chosen, rejected) for a preference pair."""
     if is_pair(row):
-        return list(tokenize_pair(where, row, tokenizer, limit))
-    return [tokenize_row(where, row, tokenizer, limit)]
+        return list(tokenize_pair(where, row, tokenizer, limit, max_prompt))
+    return [tokenize_row(where, row, tokenizer, limit, max_prompt)]
 
 
-def tokenize_pair(where: str, row: dict[str, Any], tokenizer, limit: int | None = None) -> tuple[Example, Example]:
+def tokenize_pair(where: str, row: dict[str, Any], tokenizer, limit: int | None = None,
+                  max_prompt: int | None = None) -> tuple[Example, Example]:
     """A preference pair's chosen and rejected examples (`tokenize_reply` of each side)."""
     sides = [row.get(key) for key in PAIR_KEYS]
     if not all(isinstance(side, dict) for side in sides) or set(row) - set(PAIR_KEYS):
         raise DataError(f"{where}: a preference pair expects exactly a 'chosen' and a 'rejected' row; found keys "
                         f"{sorted(row)}")
-    chosen, rejected = (tokenize_reply(where, side, tokenizer, limit) for side in sides)
+    chosen, rejected = (tokenize_reply(where, side, tokenizer, limit, max_prompt) for side in sides)
     return chosen, rejected
 
 
-def tokenize_reply(where: str, row: dict[str, Any], tokenizer, limit: int | None = None) -> Example:
+def tokenize_reply(where: str, row: dict[str, Any], tokenizer, limit: int | None = None,
+                   max_prompt: int | None = None) -> Example:
     """One side of a preference pair: a prompt-completion row exactly as `tokenize_row` gives it; a messages row
     ending in the assistant reply as `tokenize_row` gives it, with only that final turn trained."""
     layout = _layout(where, row)
     if layout == "prompt+completion":
-        return tokenize_row(where, row, tokenizer, limit)
+        return tokenize_row(where, row, tokenizer, limit, max_prompt)
     if layout == "messages":
-        return _tokenize_chat(where, row["messages"], tokenizer, limit, final_only=True)
+        return _tokenize_chat(where, row["messages"], tokenizer, limit, final_only=True, max_prompt=max_prompt)
     raise DataError(f"{where}: a preference reply expects 'prompt' and 'completion' strings or a 'messages' list; "
                     f"found keys {sorted(row)}")
 
@@ -105,6 +118,86 @@ def encode_prefix(tokenizer, text: str, limit: int | None) -> list[int]:
     return encode(text)[:limit]
 
 
+def encode_suffix(tokenizer, text: str, limit: int) -> list[int]:
+    """`tokenizer.encode(text)[-limit:]` (nothing for a limit of 0), handing the tokenizer an end of `text` of about
+    `CHARS_PER_TOKEN` characters per token (more for text that yields fewer tokens) instead of the whole text:
+    `encode_prefix` from the other end."""
+    def encode(piece: str) -> list[int]:
+        return tokenizer.encode(piece, add_special_tokens=False)
+
+    if limit <= 0:
+        return []
+    budget = CHARS_PER_TOKEN * (limit + CUT_MARGIN)
+    while budget < len(text):
+        ids = encode(text[-budget:])
+        if len(ids) >= limit + CUT_MARGIN:
+            return ids[-limit:]
+        budget *= 2
+    return encode(text)[-limit:]
+
+
+def prompt_tail(tail: list[int], bos: list[int], max_prompt: int) -> tuple[list[int], bool]:
+    """A prompt-completion prompt bounded to `max_prompt` tokens: BOS and the last tokens of its text, from `tail`
+    (`encode_suffix` of the text with a limit of `prompt_tail_limit`); and whether any were left out."""
+    keep = max(max_prompt - len(bos), 0)
+    return bos + tail[max(len(tail) - keep, 0):], len(tail) > keep
+
+
+def prompt_tail_limit(bos: list[int], max_prompt: int) -> int:
+    """The tokens of a prompt's text `prompt_tail` needs: those it keeps and one more, which tells a cut."""
+    return max(max_prompt - len(bos), 0) + 1
+
+
+def bound_chat_prompt(messages: list[dict], max_prompt: int, prompt_tokens: Callable[[list[dict]], int],
+                      final_only: bool = False) -> tuple[list[dict], bool]:
+    """The conversation with its prompt (the messages before its first trained one: the final message with
+    `final_only`, else the first assistant turn) bounded to `max_prompt` tokens as `prompt_tokens` counts them
+    (its rendering with the generation prompt); and whether it was cut. Leading system turns stay whole; whole old
+    turns go first, each time up to the next user turn (the kept prompt starts with a user turn); then the start
+    of the oldest kept content, characters at a time, as many as the bound needs (a search: the kept contents fit,
+    one more character does not). A prompt whose system turns and headers alone exceed the bound keeps them and no
+    content."""
+    first = len(messages) - 1 if final_only else next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    prompt, rest = messages[:first], messages[first:]
+    if prompt_tokens(prompt) <= max_prompt:
+        return messages, False
+    system = 0
+    while system < len(prompt) and prompt[system]["role"] == "system":
+        system += 1
+    starts = [k for k in range(system + 1, len(prompt)) if prompt[k]["role"] == "user"]
+    for k in starts:
+        if prompt_tokens(prompt[:system] + prompt[k:]) <= max_prompt:
+            return prompt[:system] + prompt[k:] + rest, True
+    head, body = prompt[:system], prompt[starts[-1] if starts else system:]
+
+    def fits(chars: int) -> bool:
+        return prompt_tokens(head + last_characters(body, chars)) <= max_prompt
+
+    # the whole body is known not to fit; gallop up from max_prompt characters, then bisect
+    lo, hi = 0, sum(len(m["content"]) for m in body)
+    chars = min(max_prompt, hi)
+    while chars < hi:
+        if not fits(chars):
+            hi = chars
+            break
+        lo, chars = chars, 2 * chars
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return head + last_characters(body, lo) + rest, True
+
+
+def last_characters(messages: list[dict], chars: int) -> list[dict]:
+    """The messages with only the last `chars` characters of their contents, in order, kept (the earlier ones'
+    contents emptied first)."""
+    kept = []
+    for m in reversed(messages):
+        n = min(len(m["content"]), chars)
+        kept.append({**m, "content": m["content"][len(m["content"]) - n:]})
+        chars -= n
+    return kept[::-1]
+
+
 def _layout(where: str, row: dict[str, Any]) -> str:
     """The one layout `row` has (a key whose value is None is absent: tables fill missing columns with it)."""
     found = [key for keys in LAYOUTS.values() for key in keys if row.get(key) is not None]
@@ -123,7 +216,8 @@ def _layout(where: str, row: dict[str, Any]) -> str:
                     f"found keys {sorted(row)}")
 
 
-def tokenize_row(where: str, row: dict[str, Any], tokenizer, limit: int | None = None) -> Example:
+def tokenize_row(where: str, row: dict[str, Any], tokenizer, limit: int | None = None,
+                 max_prompt: int | None = None) -> Example:
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     layout = _layout(where, row)
@@ -131,16 +225,22 @@ def tokenize_row(where: str, row: dict[str, Any], tokenizer, limit: int | None =
         ids = bos + encode_prefix(tokenizer, row["text"], None if limit is None else limit - len(bos)) + eos
         return Example(np.asarray(ids, np.int32), np.ones(len(ids), bool), where)
     if layout == "prompt+completion":
-        prompt = bos + encode_prefix(tokenizer, row["prompt"], None if limit is None else limit - len(bos))
+        cut = False
+        if max_prompt is None:
+            prompt = bos + encode_prefix(tokenizer, row["prompt"], None if limit is None else limit - len(bos))
+        else:
+            tail = encode_suffix(tokenizer, row["prompt"], prompt_tail_limit(bos, max_prompt))
+            prompt, cut = prompt_tail(tail, bos, max_prompt)
+            prompt = prompt[:limit]
         rest = None if limit is None else limit - len(prompt)
         completion = encode_prefix(tokenizer, row["completion"], rest) + eos
         trained = [False] * len(prompt) + [True] * len(completion)
-        return Example(np.asarray(prompt + completion, np.int32), np.asarray(trained), where)
-    return _tokenize_chat(where, row["messages"], tokenizer, limit)
+        return Example(np.asarray(prompt + completion, np.int32), np.asarray(trained), where, cut)
+    return _tokenize_chat(where, row["messages"], tokenizer, limit, max_prompt=max_prompt)
 
 
-def _tokenize_chat(where: str, messages: list, tokenizer, limit: int | None = None, final_only: bool = False
-                   ) -> Example:
+def _tokenize_chat(where: str, messages: list, tokenizer, limit: int | None = None, final_only: bool = False,
+                   max_prompt: int | None = None) -> Example:
     """A conversation's tokens, each assistant turn trained; with `final_only`, only its last message (which
     must be an assistant turn)."""
     for m in messages:
@@ -155,16 +255,23 @@ def _tokenize_chat(where: str, messages: list, tokenizer, limit: int | None = No
                         f"with a {messages[-1]['role']} turn")
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(f"{where}: a 'messages' row needs a tokenizer with a chat template")
+    prompt_cut = False
+    if max_prompt is not None:
+        def prompt_tokens(prompt: list[dict]) -> int:
+            return len(_render(tokenizer, prompt, True))
+
+        messages, prompt_cut = bound_chat_prompt(messages, max_prompt, prompt_tokens, final_only)
     # the index of the one turn trained (a cut conversation that lost it trains none)
     final = len(messages) - 1 if final_only else None
     if limit is None:
-        return _render_chat(where, messages, tokenizer, final=final)
+        example = _render_chat(where, messages, tokenizer, final=final)
+        return Example(example.ids, example.trained, where, prompt_cut)
     budget = CHARS_PER_TOKEN * (limit + CUT_MARGIN)
     while True:
         kept, cut = first_characters(messages, budget)
         example = _render_chat(where, kept, tokenizer, stop=limit if cut else None, final=final)
         if not cut or len(example.ids) >= limit + CUT_MARGIN:
-            return Example(example.ids[:limit], example.trained[:limit], where)
+            return Example(example.ids[:limit], example.trained[:limit], where, prompt_cut)
         budget *= 2
 
 
@@ -185,8 +292,7 @@ def _render_chat(where: str, messages: list[dict], tokenizer, stop: int | None =
     """The conversation's tokens, each assistant turn trained (those starting at `stop` or later are left
     untrained: only the first `stop` tokens are wanted); with `final`, only message `final` (when present)."""
     def render(msgs, generation_prompt=False) -> list[int]:
-        out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=generation_prompt)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)  # a BatchEncoding in transformers 5
+        return _render(tokenizer, msgs, generation_prompt)
 
     ids = render(messages)
     trained = np.zeros(len(ids), bool)
@@ -202,6 +308,12 @@ def _render_chat(where: str, messages: list[dict], tokenizer, stop: int | None =
                             "cannot tell which tokens are the assistant's")
         trained[start:end] = True
     return Example(np.asarray(ids, np.int32), trained, where)
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> list[int]:
+    """The ids of the chat template's rendering of `messages`."""
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)  # a BatchEncoding in transformers 5
 
 
 def truncation_report(examples: Sequence[Example], seq_len: int) -> TruncationReport:

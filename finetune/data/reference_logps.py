@@ -5,7 +5,8 @@ Values: float32 `[examples]`, example e's sum over its trained positions within 
 the reference model (NaN for an example not computed: one of a pair that trains nothing within `--seq-len`). They
 depend on the tokens, on `--seq-len` (where a sequence is cut), on the model (its manifest, which holds a crc32 of
 every weight slice and the quantization, and its config), on the reference (`--reference`: base, or init and then
-the initial adapter's files), and on `--dtype` and `--param-dtype`: all of it is the key. A file
+the initial adapter's files), and on `--dtype` and `--param-dtype`: all of it is the key, with `--max-prompt-len`
+when set (the tokens' digest already tells bounded prompts apart; a key without a bound stays as it was). A file
 `reference-KEY.npy` holds the values and `reference-KEY.json` the key's parts; written under the entry's lock with
 the JSON last, so values are read only once whole, and a key that changed in any part names another file. Nothing
 of the store itself changes (its digest stays the tokens').
@@ -40,7 +41,8 @@ def reference_key(config: TrainConfig, tokens_digest: str) -> dict[str, Any]:
     return {"tokens": tokens_digest, "seq_len": config.seq_len, "model": _files_digest(model, MODEL_FILES),
             "reference": reference,
             "init_adapter": _files_digest(Path(config.init_adapter)) if reference == "init" else None,
-            "dtype": config.dtype, "param_dtype": config.param_dtype, "version": REFERENCE_VERSION}
+            "dtype": config.dtype, "param_dtype": config.param_dtype, "version": REFERENCE_VERSION,
+            **({"max_prompt_len": config.max_prompt_len} if config.max_prompt_len else {})}
 
 
 def _files_digest(directory: Path, names: tuple[str, ...] | None = None) -> str:

@@ -19,6 +19,7 @@ class Example:
     ids: np.ndarray  # int32 [n]
     trained: np.ndarray  # bool [n]: whether each token is a training target
     where: str = ""  # the row it came from (`file:line`), for reports
+    prompt_cut: bool = False  # its prompt was bounded (`--max-prompt-len`), its start left out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -183,21 +183,23 @@ def _tokenizer_threads(parallel: bool) -> Iterator[None]:
 def tokenize_to_store(rows, tokenizer, seq_len: int | None, directory: str | Path, *, layout: str = AUTO,
                       canonical: Canonical = layout_canonical, where: Callable[[int], str] = lambda i: f"row {i + 1}",
                       workers: int = 1, progress: bool = False, batch_rows: int = BATCH_ROWS,
-                      meta: dict | None = None) -> TokenizedData:
+                      meta: dict | None = None, max_prompt: int | None = None) -> TokenizedData:
     """Tokenize `rows` (a datasets.Dataset or a sequence of raw row dicts; `canonical(row, layout, where)`
     gives each one's canonical form) into a store in the existing empty `directory`, `workers` processes at a
     time. A preference layout's row is two examples, chosen (2r) then rejected (2r + 1), and the store's
-    meta.json says `"examples_per_row": 2`. A bad row raises the DataError the reference path gives it, naming
-    `where(i)` of the first one.
+    meta.json says `"examples_per_row": 2`. With `max_prompt` (prompts bounded to that many tokens), meta.json
+    counts the rows whose prompt was cut (`prompts_cut`) and gives the first one's index (`first_prompt_cut`).
+    A bad row raises the DataError the reference path gives it, naming `where(i)` of the first one.
     Workers are spawned: a script that calls this with `workers > 1` needs multiprocessing's
     `if __name__ == "__main__":` guard (the console scripts have it)."""
     directory = Path(directory)
-    batch = BatchTokenizer(tokenizer, seq_len, layout, canonical)
+    batch = BatchTokenizer(tokenizer, seq_len, layout, canonical, max_prompt)
     spans = [(lo, min(lo + batch_rows, len(rows))) for lo in range(0, len(rows), batch_rows)]
     from tqdm import tqdm
 
     writers = [NpyAppender(directory / "ids.npy", np.int32), NpyAppender(directory / "trained.npy", np.bool_)]
     lengths, tokens, fallbacks, began = [], 0, 0, time.perf_counter()
+    prompts_cut, first_prompt_cut = 0, None
     try:
         with _collections_skip_older_objects(), \
                 tqdm(total=len(rows), unit=" rows", desc="tokenize", disable=not progress, leave=False) as bar:
@@ -209,6 +211,9 @@ def tokenize_to_store(rows, tokenizer, seq_len: int | None, directory: str | Pat
                 lengths.append(result.lengths)
                 tokens += len(result.ids)
                 fallbacks += result.fallbacks
+                if result.prompts_cut:
+                    prompts_cut += len(result.prompts_cut)
+                    first_prompt_cut = lo + result.prompts_cut[0] if first_prompt_cut is None else first_prompt_cut
                 bar.update(hi - lo)
                 bar.set_postfix_str(f"{tokens / max(time.perf_counter() - began, 1e-9):,.0f} tokens/s", refresh=False)
     finally:
@@ -223,8 +228,10 @@ def tokenize_to_store(rows, tokenizer, seq_len: int | None, directory: str | Pat
     np.save(directory / "starts.npy", starts)
     # an SFT store's meta.json stays as it was: one example per row goes without saying
     pairs = {"examples_per_row": per_row} if per_row != 1 else {}
+    bounded = ({"max_prompt_len": max_prompt, "prompts_cut": prompts_cut, "first_prompt_cut": first_prompt_cut}
+               if max_prompt is not None else {})
     info = {"store_version": STORE_VERSION, "examples": len(lengths), **pairs, "tokens": tokens, "seq_len": seq_len,
-            "layout": layout, "reference_path_rows": fallbacks,
+            "layout": layout, **bounded, "reference_path_rows": fallbacks,
             "seconds": round(time.perf_counter() - began, 3), **(meta or {})}
     (directory / "meta.json").write_text(json.dumps(info, indent=1) + "\n")
     return TokenizedData.open(directory)
@@ -234,5 +241,5 @@ def _raise_row_error(rows, index: int, batch: BatchTokenizer, where: Callable[[i
     """Raise the error row `index` has, naming it: its layout's, or the reference path's."""
     (raw,) = _raw_rows(rows, index, index + 1)
     row = batch.canonical(raw, batch.layout, where(index))
-    tokenize_examples(where(index), row, batch.tokenizer, batch.limit)
+    tokenize_examples(where(index), row, batch.tokenizer, batch.limit, batch.max_prompt)
     raise RuntimeError(f"{where(index)}: rejected in a batch but not alone")
