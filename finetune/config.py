@@ -244,6 +244,9 @@ class TrainConfig:
     fit: bool = option(False, "with --plan: try --remat, --grad-accum and --mesh settings, fastest first, and print "
                               "the first that fits as a command line",
                        resume=Allowed("planning only"), plan_only=True)
+    fit_minutes: float = option(20.0, "with --plan --fit: plan no new setting after this many minutes, and say which "
+                                      "meshes were left unplanned (0: no limit)",
+                                resume=Allowed("planning only"), plan_only=True)
     device_model: str | None = option(None, "with --plan: the accelerator the predicted step time is for: mi300x, "
                                             "mi325x, h100, h200, or a JSON file of bench/device_report.py --json "
                                             "(default: the accelerator the plan runs on; mi300x on a CPU)",
@@ -388,6 +391,7 @@ OPTION_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stop_after": _COUNT,
     "log_every": _POSITIVE_INT,
     "hbm_gb": _POSITIVE,
+    "fit_minutes": _NON_NEGATIVE,
     "quant_block": _POSITIVE_INT,
 }
 

@@ -245,6 +245,14 @@ def test_cli_fit_when_nothing_fits_names_every_mesh_and_exits_1(small_config, ca
     assert rows[-1] == "nothing tried fits: use more devices, a shorter --seq-len or a smaller --batch-size"
 
 
+def test_fit_plans_no_mesh_after_its_minutes(small_config, capsys):
+    args = ["--plan", "--fit", "--model-config", str(small_config), "--mesh", "dp=1,fsdp=2,mp=1", "--batch-size", "2",
+            "--seq-len", "64", "--dtype", "float32", "--fit-minutes", "1e-9"]
+    assert main(args) == 1
+    rows = capsys.readouterr().out.splitlines()
+    assert len([row for row in rows if row.endswith(": pruned, not planned: --fit-minutes 1e-09 reached")]) == 4
+
+
 def fit_ranking(config_path, hbm_gb: float, batch: int, seq: int) -> tuple[list[str], list[str]]:
     """(the meshes --fit ranks, fastest first; the meshes it pruned) on 2 of the devices."""
     report = fit(TrainConfig(plan=True, model_config=str(config_path), mesh="dp=1,fsdp=2,mp=1", batch_size=batch,

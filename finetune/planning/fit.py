@@ -15,7 +15,9 @@ of a lower bound of their step time, and a mesh is pruned, without compiling, wh
 - its lower bound is above the best predicted step time found so far. The bound: the larger of the model's FLOPs
   over all devices at the matmul rate, and the frozen weights gathered twice a step (forward and backward) over
   `fsdp x cp` at the bus bandwidth. Both parts are below anything the compiled step can do.
-The report says what was pruned and why.
+The report says what was pruned and why. `--fit-minutes` (default 20) stops planning new meshes after that long,
+naming those left unplanned: on a 2-core CPU a long 405B sequence can leave most meshes above the compute bound
+and each needs several compiles.
 
 `--remat offload` is never tried: it has not been run on a GPU, and it keeps each layer's input in pinned host
 memory (hundreds of GB a node for 405B at long sequences), which a plan of device memory does not check; the CPU
@@ -29,6 +31,7 @@ import dataclasses
 import math
 import os
 import shlex
+import time
 from pathlib import Path
 
 import jax
@@ -182,8 +185,12 @@ def fit(config: TrainConfig) -> FitReport:
     ordered = sorted(enumerate(meshes(config, llama, devices, host)),
                      key=lambda im: (lower_bound(config, llama, im[1], device, layer_bytes), im[0]))
     tried, pruned, best = [], [], math.inf
+    deadline = time.monotonic() + config.fit_minutes * 60 if config.fit_minutes else math.inf
     for _, mesh in ordered:
         spec = ",".join(f"{axis}={mesh[axis]}" for axis in MESH_AXES)
+        if time.monotonic() > deadline:
+            pruned.append((spec, f"not planned: --fit-minutes {config.fit_minutes:g} reached"))
+            continue
         held = weights / (mesh["fsdp"] * mesh["cp"] * mesh["mp"])
         if held > capacity:
             pruned.append((spec, f"its frozen weights alone take {held / GB:.1f} GB a device, more than the "
