@@ -72,10 +72,6 @@ class Instruction:
     root: bool = False
     arguments: str = ""  # the operand list's text (`0` of `parameter(0)`)
 
-    @property
-    def line(self) -> str:  # what bench/step_profile.py searched before this parser existed
-        return self.attributes
-
 
 @dataclasses.dataclass
 class Module:
@@ -176,7 +172,6 @@ class StepCost:
     """Per device, per run of the module (a train step)."""
     flops: float = 0.0
     bytes: float = 0.0
-    transcendentals: float = 0.0
     # each op the program runs: (flops, bytes, transcendentals, how often it runs)
     roofline_ops: list[tuple[float, float, float, int]] = dataclasses.field(default_factory=list)
     collectives: list[Collective] = dataclasses.field(default_factory=list)
@@ -213,9 +208,10 @@ def _walk(module: Module, computation: str, times: int, cost: StepCost, devices:
             n = trip_count(inst)
             if n is None:
                 cost.unknown_trip_counts.append(inst.name)
-            for body in inst.called.get("body", []) + inst.called.get("condition", []):
-                _walk(module, body, times * (n or 1) + (1 if body in inst.called.get("condition", []) else 0),
-                      cost, devices, cpu_16bit)
+            for body in inst.called.get("body", []):
+                _walk(module, body, times * (n or 1), cost, devices, cpu_16bit)
+            for condition in inst.called.get("condition", []):  # evaluated once more than the body runs
+                _walk(module, condition, times * ((n or 1) + 1), cost, devices, cpu_16bit)
             continue
         if inst.opcode in ("call", "conditional"):
             for key in ("calls", "to_apply", "branch_computations"):
@@ -240,7 +236,6 @@ def _walk(module: Module, computation: str, times: int, cost: StepCost, devices:
         transcendentals = _op_transcendentals(module, inst)
         cost.flops += flops * times
         cost.bytes += moved * times
-        cost.transcendentals += transcendentals * times
         cost.roofline_ops.append((flops, moved, transcendentals, times))
 
 
@@ -253,11 +248,12 @@ def _upcast_from_16_bits(module: Module, inst: Instruction, instructions: dict[s
         if producer is None or not arrays(producer.shape):
             return False
         elements = math.prod(arrays(producer.shape)[0][1])
-        body = module.computations[producer.called["calls"][0]] if producer.called.get("calls") else instructions
-        converts = [producer] if producer.opcode == "convert" else \
-            [i for i in body.values() if i.opcode == "convert"] if producer.opcode == "fusion" else []
-        if not any(_converts_16_to_32(c, body if producer.opcode == "fusion" else instructions, elements)
-                   for c in converts):
+        if producer.opcode == "fusion":
+            scope = module.computations[producer.called["calls"][0]]
+            converts = [i for i in scope.values() if i.opcode == "convert"]
+        else:
+            scope, converts = instructions, [producer] if producer.opcode == "convert" else []
+        if not any(_converts_16_to_32(c, scope, elements) for c in converts):
             return False
     return bool(inst.operands)
 

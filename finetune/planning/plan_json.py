@@ -8,7 +8,6 @@ import tempfile
 from pathlib import Path
 
 from finetune.config import ConfigFileError, TrainConfig
-from finetune.step.mesh import parse_mesh
 
 
 def json_path_problem(path: str) -> str | None:
@@ -37,7 +36,7 @@ def check_plan_json(config: TrainConfig) -> None:
 
 def plan_record(config: TrainConfig, report) -> dict:
     """The plan `report` of `config` as a JSON object (sizes in bytes per device, times in seconds)."""
-    record = {"mesh": parse_mesh(config.mesh, _devices(report.mesh)), "batch_size": config.batch_size,
+    record = {"mesh": dict(report.mesh), "batch_size": config.batch_size,
               "seq_len": config.seq_len, "dtype": config.dtype, "remat": config.remat, "grad_accum": config.grad_accum,
               "objective": config.objective, "backend": report.backend,
               "memory": {"total_bytes": report.total, "fits": report.fits, "capacity_bytes": report.capacity,
@@ -64,9 +63,3 @@ def write_plan_json(path: str, record: dict) -> None:
         Path(temporary).unlink(missing_ok=True)
         raise
 
-
-def _devices(mesh: dict[str, int]) -> int:
-    count = 1
-    for size in mesh.values():
-        count *= size
-    return count
