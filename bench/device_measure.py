@@ -3,7 +3,7 @@ its memory against `--plan`, attention paths, collectives and logits parity with
 
 Every function measures one thing and returns plain numbers; device_report.py chooses the shapes, prints the
 table and writes the JSON. The train step is the toolkit's own: `finetune.step.train_step.jit_steps` (what
-`finetune-lora` runs and `--plan` compiles) on a random-weight `LlamaForCausalLM` with LoRA adapters. Imported
+`finetune-lora` runs and `--plan` compiles) on a random-weight `CausalLM` with LoRA adapters. Imported
 with bench/ on sys.path (it times with bench/train.py's `step_times`).
 """
 
@@ -38,9 +38,9 @@ from finetune.step.train_step import (
 from finetune.step.flops import flops_per_token
 from finetune.train.metrics import measure_peak_flops, peak_memory_gb, seconds_per_call
 from jaxmodel.attention import attention
-from jaxmodel.config import LlamaConfig
+from jaxmodel.config import ModelConfig
 from jaxmodel.lora import apply_lora
-from jaxmodel.model import LlamaForCausalLM
+from jaxmodel.model import CausalLM
 from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, named_sharding
 
 GB = 1e9
@@ -105,7 +105,7 @@ def mesh_spec(devices: int) -> str:
     return f"dp=1,fsdp={devices},cp=1,mp=1"
 
 
-def write_model_config(llama: LlamaConfig, directory: Path, dtype: str) -> Path:
+def write_model_config(llama: ModelConfig, directory: Path, dtype: str) -> Path:
     """config.json of `llama` (weights stored in `dtype`) for `--plan --model-config`."""
     path = directory / "config.json"
     path.write_text(json.dumps({**llama.to_hf(), "torch_dtype": dtype}))
@@ -151,7 +151,7 @@ class Step:
         return float(metrics["loss"])  # waits for the step
 
 
-def build_step(llama: LlamaConfig, config: TrainConfig, devices: list) -> Step:
+def build_step(llama: ModelConfig, config: TrainConfig, devices: list) -> Step:
     """The run's jit step (`jit_steps`) on a mesh over `devices`, with random weights created on their shards
     (a jitted constructor with the run's output shardings: no device ever holds the whole model)."""
     mesh = make_mesh(config.mesh, devices)
@@ -162,7 +162,7 @@ def build_step(llama: LlamaConfig, config: TrainConfig, devices: list) -> Step:
     impl = config.attention_impl(mesh.shape["cp"])
 
     def build():
-        model = LlamaForCausalLM(llama, dtype=dtype, param_dtype=DTYPES[config.param_dtype], remat=config.remat,
+        model = CausalLM(llama, dtype=dtype, param_dtype=DTYPES[config.param_dtype], remat=config.remat,
                                  attention=impl, mlp_chunk=config.mlp_chunk, rules=DEFAULT_RULES, rngs=nnx.Rngs(0))
         return apply_lora(model, config.lora_config(), rngs=nnx.Rngs(1))
 
@@ -191,7 +191,7 @@ def random_batch(batch: int, seq: int, vocab: int) -> dict[str, np.ndarray]:
             "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy()}
 
 
-def step_figures(llama: LlamaConfig, config: TrainConfig, times: list[float], peak: float, devices: int) -> dict:
+def step_figures(llama: ModelConfig, config: TrainConfig, times: list[float], peak: float, devices: int) -> dict:
     """tokens/s of the median step and its MFU against `devices` x one device's matmul peak in its dtype."""
     tokens_per_s = config.batch_size * config.seq_len / statistics.median(times)
     flops = flops_per_token(llama, config.seq_len)
@@ -246,7 +246,7 @@ def device_peak_bytes(devices: list) -> float | None:
 
 # ---- attention ---------------------------------------------------------------------------------------------
 
-def attention_seconds(llama: LlamaConfig, dtype, seq: int, impl: str, repeats: int = 3) -> float:
+def attention_seconds(llama: ModelConfig, dtype, seq: int, impl: str, repeats: int = 3) -> float:
     """Median seconds of the forward + backward of one attention call (batch 1, the model's heads, one packed
     row of `seq` positions) on the default device, by `impl` ("xla" dense scores, or "blockwise")."""
     keys = jax.random.split(jax.random.key(0), 3)
@@ -262,7 +262,7 @@ def attention_seconds(llama: LlamaConfig, dtype, seq: int, impl: str, repeats: i
     return median_seconds(lambda: jax.block_until_ready(grad(q, k, v)), repeats)
 
 
-def dense_scores_bytes(llama: LlamaConfig, seq: int) -> float:
+def dense_scores_bytes(llama: ModelConfig, seq: int) -> float:
     """Bytes of the dense path's float32 scores, probabilities and their gradient for one row of `seq`."""
     return 3 * 4.0 * llama.num_attention_heads * seq * seq
 
@@ -307,7 +307,7 @@ def collective_table(devices: list, sizes: tuple[int, ...], repeats: int = 3) ->
 
 # ---- parity ------------------------------------------------------------------------------------------------
 
-def logits_parity(llama: LlamaConfig, seq: int) -> dict:
+def logits_parity(llama: ModelConfig, seq: int) -> dict:
     """The same float32 random weights and tokens run on the default device and on the CPU backend: max |logit
     difference| / max |logit|, every matmul at "highest" precision on both (the default one is TF32 on NVIDIA
     GPUs and one bf16 pass on TPUs, whose rounding would hide a real difference); "skipped" without a CPU
@@ -317,7 +317,7 @@ def logits_parity(llama: LlamaConfig, seq: int) -> dict:
     except RuntimeError:  # JAX_PLATFORMS leaves the CPU backend out
         return {"skipped": "no CPU backend (JAX_PLATFORMS)"}
     with jax.default_device(cpu):  # weights drawn once, on the CPU, then copied
-        graphdef, weights = nnx.split(LlamaForCausalLM(llama, rngs=nnx.Rngs(2)))
+        graphdef, weights = nnx.split(CausalLM(llama, rngs=nnx.Rngs(2)))
     ids = np.random.default_rng(1).integers(0, llama.vocab_size, (1, seq)).astype(np.int32)
     forward = jax.jit(lambda w, ids: nnx.merge(graphdef, w)(ids))
     with jax.default_matmul_precision(PARITY_PRECISION):

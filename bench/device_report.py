@@ -75,7 +75,7 @@ from finetune.config import TrainConfig
 from finetune.planning.devices import device_model_from_report
 from finetune.planning.plan_json import json_path_problem
 from finetune.train.metrics import TIMED_SAMPLE_SECONDS
-from jaxmodel.config import LlamaConfig
+from jaxmodel.config import ModelConfig
 from jaxmodel.errors import UsageError, UserError
 from jaxmodel.errors import report as report_error
 
@@ -103,7 +103,7 @@ DENSE_SEQ_WITHOUT_LIMIT = 4096
 @dataclasses.dataclass
 class Shape:
     """Everything the report measures at, and how it was chosen."""
-    model: dict  # LlamaConfig fields
+    model: dict  # ModelConfig fields
     batch: int
     seq: int
     devices: int  # of the train step
@@ -210,8 +210,8 @@ def shrink(shape: Shape, args) -> Shape | None:
 
 # ---- measuring ---------------------------------------------------------------------------------------------
 
-def llama_of(model: dict) -> LlamaConfig:
-    return LlamaConfig(**model, rms_norm_eps=1e-5)
+def llama_of(model: dict) -> ModelConfig:
+    return ModelConfig(**model, rms_norm_eps=1e-5)
 
 
 def planned(shape: Shape, args, dtype: str, bytes_limit: float | None, workdir: Path):
@@ -261,7 +261,7 @@ def measured_memory(device, on_device: float | None, held: int, rss_growth: floa
             "measured_how": f"not measured: the {device.platform} backend reports no memory_stats(){no_vmhwm}"}
 
 
-def dense_attention_fits(llama: LlamaConfig, seq: int, bytes_limit: float | None, platform: str) -> bool:
+def dense_attention_fits(llama: ModelConfig, seq: int, bytes_limit: float | None, platform: str) -> bool:
     """Whether the dense path's float32 scores for one row of `seq` take at most half the device; an accelerator
     that reports no memory limit is tried up to DENSE_SEQ_WITHOUT_LIMIT positions (the CPU's lengths are fixed
     and small)."""

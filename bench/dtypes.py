@@ -48,11 +48,11 @@ import json, sys
 import jax.numpy as jnp
 from finetune.step.flops import flops_per_token
 from finetune.train.metrics import measure_peak_flops
-from jaxmodel.config import LlamaConfig
+from jaxmodel.config import ModelConfig
 print(json.dumps({"float32": measure_peak_flops(jnp.float32, 2048, 10),
                   "bfloat16": measure_peak_flops(jnp.bfloat16, 2048, 10),
                   "flops_per_token": flops_per_token(
-                      LlamaConfig.from_hf({"model_type": "llama", **json.loads(sys.argv[1])}), int(sys.argv[2]))}))
+                      ModelConfig.from_hf({"model_type": "llama", **json.loads(sys.argv[1])}), int(sys.argv[2]))}))
 """
 
 # A child process: torch + PEFT's step times in one dtype, and torch's matmul peak in it.

@@ -35,7 +35,7 @@ from cli_runs import OneLineErrorParser, cpu_description, positive  # noqa: E402
 from finetune.planning.plan import plan  # noqa: E402
 from finetune.planning.plan_json import json_path_problem  # noqa: E402
 from finetune.train.metrics import measure_peak_flops  # noqa: E402
-from jaxmodel.config import LlamaConfig  # noqa: E402
+from jaxmodel.config import ModelConfig  # noqa: E402
 
 PROG = "plan_time.py"
 # name: (model shape, batch, seq); heads of 64 dims, rms_norm_eps 1e-5, rope defaults
@@ -64,7 +64,7 @@ def measured_device(dtype: str, accelerator: bool) -> dict:
 
 def measure_shape(name: str, shape: tuple, dtype: str, steps: int, model_file: Path, workdir: Path) -> dict:
     model, batch, seq = shape
-    llama = LlamaConfig.from_hf({"model_type": "llama", "rms_norm_eps": 1e-5, "head_dim": 64, **model})
+    llama = ModelConfig.from_hf({"model_type": "llama", "rms_norm_eps": 1e-5, "head_dim": 64, **model})
     directory = workdir / name.replace(" ", "-")
     directory.mkdir()
     config_path = dm.write_model_config(llama, directory, dtype)

@@ -49,8 +49,8 @@ import json, sys
 import jax.numpy as jnp
 from finetune.step.flops import flops_per_token
 from finetune.train.metrics import measure_peak_flops
-from jaxmodel.config import LlamaConfig
-config, seq = LlamaConfig(**json.loads(sys.argv[1])), int(sys.argv[2])
+from jaxmodel.config import ModelConfig
+config, seq = ModelConfig(**json.loads(sys.argv[1])), int(sys.argv[2])
 print(json.dumps([measure_peak_flops(jnp.float32, 2048, 10), flops_per_token(config, seq),
                   flops_per_token(config, seq, reference_forward=True)]))
 """

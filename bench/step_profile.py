@@ -176,12 +176,12 @@ def main() -> None:
     from finetune.config import TrainConfig
     from finetune.step.flops import flops_per_token
     from finetune.train.metrics import measure_peak_flops
-    from jaxmodel.config import LlamaConfig
+    from jaxmodel.config import ModelConfig
 
     shape = {**SHAPES[args.shape], "rms_norm_eps": 1e-5}
     if args.layers:
         shape["num_hidden_layers"] = args.layers
-    llama = LlamaConfig.from_hf({"model_type": "llama", **shape})
+    llama = ModelConfig.from_hf({"model_type": "llama", **shape})
     config = TrainConfig(mesh="dp=1,fsdp=1,mp=1", batch_size=BATCH, seq_len=SEQ, dtype=args.dtype,
                          param_dtype=args.dtype, rank=RANK, alpha=ALPHA, targets=",".join(TARGETS), lr=LR,
                          schedule="constant", clip_norm=0.0, steps=10**6)

@@ -52,11 +52,11 @@ def jax_side(layers: int = 8, remat: str = "none", loss_chunk: int | None = None
 
     from finetune.config import TrainConfig
     from finetune.step.train_step import TrainState, build_steps, make_optimizer, split_model
-    from jaxmodel import LlamaConfig, LlamaForCausalLM
+    from jaxmodel import ModelConfig, CausalLM
     from jaxmodel.lora import LoraConfig, apply_lora
 
-    config = LlamaConfig(**{**CONFIG, "num_hidden_layers": layers}, rms_norm_eps=1e-5)
-    model = LlamaForCausalLM(config, remat=remat, rngs=nnx.Rngs(0))
+    config = ModelConfig(**{**CONFIG, "num_hidden_layers": layers}, rms_norm_eps=1e-5)
+    model = CausalLM(config, remat=remat, rngs=nnx.Rngs(0))
     apply_lora(model, LoraConfig(rank=RANK, alpha=ALPHA, targets=TARGETS), rngs=nnx.Rngs(1))
     graphdef, lora, base = split_model(model)
     train_config = TrainConfig(lr=LR, steps=10**6, schedule="constant", clip_norm=0.0)
@@ -226,9 +226,9 @@ def main() -> None:
 
     torch.set_num_threads(os.cpu_count() or 1)
     from finetune.step.flops import flops_per_token
-    from jaxmodel import LlamaConfig
+    from jaxmodel import ModelConfig
 
-    flops = flops_per_token(LlamaConfig(**CONFIG), SEQ)
+    flops = flops_per_token(ModelConfig(**CONFIG), SEQ)
     jax_step, compile_8 = jax_side(8, args.remat)
     torch_step = torch_side()
     for _ in range(2):  # warm-up: first calls, allocator, caches

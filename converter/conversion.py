@@ -26,7 +26,7 @@ from jaxmodel.formats.checkpoint_writer import CheckpointWriter
 from jaxmodel.formats.io import read_json
 from jaxmodel.formats.markers import CONVERTED_CHECKPOINT, directory_kind
 from jaxmodel.formats.output_dir import check_output_dir
-from jaxmodel.config import LlamaConfig
+from jaxmodel.config import ModelConfig
 from jaxmodel.formats.safetensors_file import DTYPES
 from jaxmodel.quantization import SCHEMES, Quantization, quantize
 
@@ -74,7 +74,7 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "keep", quantize: 
     target = _check_destination(out, src if Path(src).expanduser().exists() else None, overwrite)
     source_dir = resolve_source(str(src), revision)
     _check_unquantized_source(source_dir)
-    config = LlamaConfig.from_hf(source_dir)
+    config = ModelConfig.from_hf(source_dir)
     kind, tensors = list_tensors(source_dir)
     plan = _plan(config, tensors, source_dir, DTYPE_CHOICES[dtype], quantization)
     source = source_record(src, source_dir)
@@ -129,7 +129,7 @@ class _Plan:
     quantized: frozenset[str] = frozenset()  # weight paths stored as `.codes` + `.scales`
 
 
-def _plan(config: LlamaConfig, tensors: list[SourceTensor], source_dir: Path, dtype: np.dtype | None,
+def _plan(config: ModelConfig, tensors: list[SourceTensor], source_dir: Path, dtype: np.dtype | None,
           quantization: Quantization | None = None) -> _Plan:
     expected = param_specs(config)
     by_path = hf_tensors_by_param(config, tensors, source_dir, ConversionError)
@@ -148,7 +148,7 @@ def _plan(config: LlamaConfig, tensors: list[SourceTensor], source_dir: Path, dt
     return _Plan(specs, sources, quantization, frozenset(quantized))
 
 
-def _quantized_paths(config: LlamaConfig, expected: dict, quantization: Quantization, source_dir: Path) -> list[str]:
+def _quantized_paths(config: ModelConfig, expected: dict, quantization: Quantization, source_dir: Path) -> list[str]:
     """The weight paths the quantized model holds as codes and scales; each input dimension checked against
     the block, naming the tensor."""
     # Which Linears the model quantizes does not depend on the block: ask it with a block that divides all.

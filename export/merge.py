@@ -1,5 +1,5 @@
 """A merged HuggingFace checkpoint: the base with `W + scale * (A B)^T` folded in, as safetensors shards
-+ `model.safetensors.index.json` + config and tokenizer files, that `LlamaForCausalLM.from_pretrained` loads.
++ `model.safetensors.index.json` + config and tokenizer files, that `CausalLM.from_pretrained` loads.
 
 Streams like the converter: the shard layout is planned from shapes, then each tensor is read from the
 base (memory-mapped, or in bounded chunks), merged if adapted, and written at its offset, one at a time.
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from jaxmodel.config import LlamaConfig
+from jaxmodel.config import ModelConfig
 from jaxmodel.errors import UsageError, UserError
 from jaxmodel.formats.atomic import atomic_directory
 from jaxmodel.formats.checkpoint import (DTYPES_BY_NAME, MANIFEST, checkpoint_quantization, hf_tensors_by_param,
@@ -70,7 +70,7 @@ class MergeBase:
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
-        self.config = LlamaConfig.from_hf(self.directory)
+        self.config = ModelConfig.from_hf(self.directory)
         self.converted = (self.directory / MANIFEST).is_file()
         self._handles: dict[Path, object] = {}
         if self.converted:
@@ -101,7 +101,7 @@ class MergeBase:
                    for path, layers in by_path.items() for layer, t in layers.items()]
         return tensors
 
-    def check_matches(self, config: LlamaConfig, what: str) -> None:
+    def check_matches(self, config: ModelConfig, what: str) -> None:
         """MergeBaseError unless this base has the shapes of `config` (`what` names where that comes from)."""
         for field in SHAPE_FIELDS:
             ours, theirs = getattr(self.config, field), getattr(config, field)
@@ -142,7 +142,7 @@ def merge_base_for(base_model: str | Path, merge_base: str | Path | None) -> Mer
                              "(a converted unquantized checkpoint, or the HF checkpoint it was converted from)")
         return MergeBase(base_model)
     base = MergeBase(merge_base)
-    base.check_matches(LlamaConfig.from_hf(base_model), f"the run's base ({base_model})")
+    base.check_matches(ModelConfig.from_hf(base_model), f"the run's base ({base_model})")
     return base
 
 

@@ -12,8 +12,8 @@ checkpoint, PEFT adapters, directory markers). Names are imported on first use (
 from jaxmodel.lazy import lazy_exports
 
 _EXPORTS = {
-    "LlamaConfig": "jaxmodel.config", "RopeConfig": "jaxmodel.config", "ConfigError": "jaxmodel.config",
-    "LlamaForCausalLM": "jaxmodel.model", "KVCache": "jaxmodel.model",
+    "ModelConfig": "jaxmodel.config", "RopeConfig": "jaxmodel.config", "ConfigError": "jaxmodel.config",
+    "CausalLM": "jaxmodel.model", "KVCache": "jaxmodel.model",
     "load_pretrained": "jaxmodel.pretrained",
     "generate": "jaxmodel.generation",
     "LoraConfig": "jaxmodel.lora", "apply_lora": "jaxmodel.lora",

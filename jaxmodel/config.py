@@ -1,4 +1,4 @@
-"""LlamaConfig: the model's shape and numerics, read once from a HuggingFace config.json."""
+"""ModelConfig: the model's shape and numerics, read once from a HuggingFace config.json."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class ModelConfig:
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -66,7 +66,7 @@ class LlamaConfig:
         return tuple(self.eos_token_id)
 
     @classmethod
-    def from_hf(cls, source: str | Path | Mapping[str, Any]) -> "LlamaConfig":
+    def from_hf(cls, source: str | Path | Mapping[str, Any]) -> "ModelConfig":
         """Read a HF Llama config: a dict, a config.json path, or a directory holding config.json.
 
         Accepts both dialects: legacy `rope_theta` + `rope_scaling`, and transformers 5 `rope_parameters`.
@@ -122,7 +122,7 @@ class LlamaConfig:
         }
 
 
-def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
+def _parse(raw: dict[str, Any], where: str) -> ModelConfig:
     def field(name: str, kind: type | tuple[type, ...], default: Any = dataclasses.MISSING) -> Any:
         if name not in raw or raw[name] is None:
             if default is dataclasses.MISSING:
@@ -159,7 +159,7 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
         raise ConfigError(f"{where}: field 'head_dim' is missing and hidden_size is not a multiple of heads")
     head_dim = positive("head_dim", hidden // heads)
     eos = field("eos_token_id", (int, list), None)
-    return LlamaConfig(
+    return ModelConfig(
         vocab_size=positive("vocab_size"),
         hidden_size=hidden,
         intermediate_size=positive("intermediate_size"),

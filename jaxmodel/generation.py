@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmodel.model import LlamaForCausalLM
+from jaxmodel.model import CausalLM
 
 
-def generate(model: LlamaForCausalLM, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
+def generate(model: CausalLM, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, attention_mask=None, eos_token_id: int | tuple[int, ...] | None = None,
              pad_token_id: int | None = None) -> np.ndarray:
     """Prompt plus `max_new_tokens` new tokens, `[b, t + max_new_tokens]`.

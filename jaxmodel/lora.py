@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmodel.layers import Linear, LoRAParam
-from jaxmodel.model import LlamaForCausalLM
+from jaxmodel.model import CausalLM
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -46,14 +46,14 @@ class LoraConfig:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
 
-def target_linears(model: LlamaForCausalLM, targets: tuple[str, ...]) -> Iterator[tuple[str, Linear]]:
+def target_linears(model: CausalLM, targets: tuple[str, ...]) -> Iterator[tuple[str, Linear]]:
     """(NNX module path, Linear) for every linear layer whose HF module name is in `targets`."""
     for path, module in nnx.iter_graph(model):
         if isinstance(module, Linear) and path and path[-1] in targets:
             yield ".".join(map(str, path)), module
 
 
-def apply_lora(model: LlamaForCausalLM, config: LoraConfig, *, rngs: nnx.Rngs) -> LlamaForCausalLM:
+def apply_lora(model: CausalLM, config: LoraConfig, *, rngs: nnx.Rngs) -> CausalLM:
     """Attach fresh adapters to `model`'s target layers, in place; returns the model."""
     found = list(target_linears(model, config.targets))
     missing = set(config.targets) - {path.rsplit(".", 1)[-1] for path, _ in found}

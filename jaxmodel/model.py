@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmodel import scopes
 from jaxmodel.attention import ATTENTION_IMPLS, attention
 from jaxmodel.context_parallel import context_parallel_attention, cp_order, cp_size
-from jaxmodel.config import LlamaConfig
+from jaxmodel.config import ModelConfig
 from jaxmodel.layers import Embed, Linear, LoRAParam, QuantizedParam, RMSNorm, swiglu
 from jaxmodel.matmul import DOT_POLICIES, einsum_acc32, remat_name
 from jaxmodel.quantization import Quantization, quantize
@@ -53,7 +53,7 @@ class KVCache(NamedTuple):
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, layers: int | None, dtype, param_dtype,
+    def __init__(self, config: ModelConfig, *, layers: int | None, dtype, param_dtype,
                  quantization: Quantization | None = None, rngs: nnx.Rngs):
         c = config
         kw = dict(use_bias=c.attention_bias, layers=layers, dtype=dtype, param_dtype=param_dtype,
@@ -88,7 +88,7 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: `down(silu(gate(x)) * up(x))`."""
 
-    def __init__(self, config: LlamaConfig, *, layers: int | None, dtype, param_dtype,
+    def __init__(self, config: ModelConfig, *, layers: int | None, dtype, param_dtype,
                  quantization: Quantization | None = None, rngs: nnx.Rngs):
         c = config
         kw = dict(use_bias=c.mlp_bias, layers=layers, dtype=dtype, param_dtype=param_dtype,
@@ -121,7 +121,7 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, layers: int | None = None, dtype, param_dtype,
+    def __init__(self, config: ModelConfig, *, layers: int | None = None, dtype, param_dtype,
                  quantization: Quantization | None = None, rngs: nnx.Rngs):
         kw = dict(layers=layers, dtype=dtype, param_dtype=param_dtype, quantization=quantization, rngs=rngs)
         eps = config.rms_norm_eps
@@ -138,7 +138,7 @@ class DecoderLayer(nnx.Module):
         return h_btd + self.mlp(self.post_attention_layernorm(h_btd), mlp_key, mlp_chunk), kv
 
 
-class LlamaForCausalLM(nnx.Module):
+class CausalLM(nnx.Module):
     """Llama 3.x causal LM. Decoder layers are one stacked module run with `jax.lax.scan`, so compile
     time does not grow with depth; `remat` names the rematerialisation policy of the scanned body and
     `attention` the attention implementation without a cache: "xla" (dense scores) or "blockwise"
@@ -147,7 +147,7 @@ class LlamaForCausalLM(nnx.Module):
     (`jaxmodel.context_parallel`). With `quantization`, the seven projections of every layer hold their
     frozen weights quantized (`jaxmodel.quantization`); embeddings, norms and the LM head do not."""
 
-    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
                  attention: str = "xla", mlp_chunk: int = 0, rules: Rules = DEFAULT_RULES,
                  quantization: Quantization | None = None, rngs: nnx.Rngs):
         if remat not in REMAT_POLICIES:
@@ -296,13 +296,13 @@ def _from_bits(x: jax.Array, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
 
 
-def quantize_model(model: LlamaForCausalLM, quantization: Quantization) -> LlamaForCausalLM:
+def quantize_model(model: CausalLM, quantization: Quantization) -> CausalLM:
     """A new model with `model`'s parameters and its projections quantized (numpy, on the host: the
     converter's `--quantize` stores the same codes without holding a whole weight in memory)."""
     if model.quantization is not None:
         raise ValueError("the model is already quantized")
     param_dtype = model.embed_tokens.weight[...].dtype
-    quantized = nnx.eval_shape(lambda: LlamaForCausalLM(
+    quantized = nnx.eval_shape(lambda: CausalLM(
         model.config, dtype=model.dtype, param_dtype=param_dtype, remat=model.remat, attention=model.attention,
         mlp_chunk=model.mlp_chunk, rules=model.rules, quantization=quantization, rngs=nnx.Rngs(0)))
     source = {".".join(map(str, path)): var for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}

@@ -11,17 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmodel.config import LlamaConfig
+from jaxmodel.config import ModelConfig
 from jaxmodel.formats.checkpoint import (DTYPES_BY_NAME, MANIFEST, CheckpointError, checkpoint_quantization,
                                         open_tensor, read_manifest)
 from jaxmodel.layers import QuantizedParam
-from jaxmodel.model import LlamaForCausalLM
+from jaxmodel.model import CausalLM
 from jaxmodel.sharding import DEFAULT_RULES, Rules, named_sharding
 
 
 def load_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None, dtype=None, param_dtype=None,
                     rules: Rules = DEFAULT_RULES, remat: str = "none", attention: str = "xla",
-                    mlp_chunk: int = 0) -> LlamaForCausalLM:
+                    mlp_chunk: int = 0) -> CausalLM:
     """Build the model from a converted checkpoint.
 
     With a mesh, each parameter is placed straight onto its sharding (from its logical axes and `rules`)
@@ -30,14 +30,14 @@ def load_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None, 
     and scales of a quantized checkpoint are loaded as stored, whatever `param_dtype`.
     """
     directory = Path(path)
-    config = LlamaConfig.from_hf(directory)
+    config = ModelConfig.from_hf(directory)
     manifest = read_manifest(directory)
     quantization = checkpoint_quantization(manifest, directory / MANIFEST)
     stored = manifest["tensors"]
     if dtype is None:
         dtype = param_dtype or DTYPES_BY_NAME[stored.get("embed_tokens.weight", {}).get("dtype", "float32")]
     try:
-        abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, param_dtype=param_dtype or dtype,
+        abstract = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, param_dtype=param_dtype or dtype,
                                                            remat=remat, attention=attention, mlp_chunk=mlp_chunk,
                                                            rules=rules, quantization=quantization, rngs=nnx.Rngs(0)))
     except ValueError as e:

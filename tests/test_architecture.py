@@ -63,7 +63,7 @@ def test_the_blocking_is_real():
 def test_public_api():
     from export import export_adapter, export_merged, save_merged  # noqa: F401
     from finetune import TrainConfig, load_run, plan, run_training  # noqa: F401
-    from jaxmodel import LlamaConfig, LlamaForCausalLM, LoraConfig, apply_lora, generate, load_pretrained  # noqa: F401
+    from jaxmodel import ModelConfig, CausalLM, LoraConfig, apply_lora, generate, load_pretrained  # noqa: F401
     from jaxmodel.errors import UsageError, UserError
 
     import finetune.train.loop

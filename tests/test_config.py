@@ -1,4 +1,4 @@
-"""LlamaConfig.from_hf: both config dialects, defaults, and clear errors. TrainConfig.validate: every numeric
+"""ModelConfig.from_hf: both config dialects, defaults, and clear errors. TrainConfig.validate: every numeric
 finetune-lora option refused out of its range at parse time, and a LoRA rank the model's layers cannot hold.
 TrainConfig's fields: each declares its resume policy, and the sets the run and --fit use follow the declarations."""
 
@@ -15,7 +15,7 @@ from finetune.cli import main
 from finetune.config import OPTION_RANGES, Allowed, ConfigFileError, NotCompared, Refused, TrainConfig, option
 from finetune.planning.fit import PLAN_ONLY
 from finetune.run.policy import IMMUTABLE, MUTABLE, NOT_COMPARED
-from jaxmodel.config import ConfigError, LlamaConfig, RopeConfig
+from jaxmodel.config import ConfigError, ModelConfig, RopeConfig
 
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
@@ -30,31 +30,31 @@ LLAMA_31_8B = {
 
 def test_legacy_llama_31_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
-    config = LlamaConfig.from_hf(tmp_path)
+    config = ModelConfig.from_hf(tmp_path)
     assert config.head_dim == 128 and config.num_key_value_heads == 8
     assert config.rope == RopeConfig("llama3", 500000.0, 8.0, 1.0, 4.0, 8192)
     assert config.eos_token_ids == (128001,)
 
 
 def test_transformers5_dialect_equals_legacy():
-    legacy = LlamaConfig.from_hf(LLAMA_31_8B)
+    legacy = ModelConfig.from_hf(LLAMA_31_8B)
     v5 = HFLlamaConfig(**{k: v for k, v in LLAMA_31_8B.items() if k != "torch_dtype"}).to_dict()
     assert "rope_parameters" in v5 and "rope_scaling" not in v5
-    assert LlamaConfig.from_hf(v5) == legacy
+    assert ModelConfig.from_hf(v5) == legacy
 
 
 @given(llama_configs())
 def test_drawn_configs_round_trip_through_transformers(raw):
-    config = LlamaConfig.from_hf(raw)
+    config = ModelConfig.from_hf(raw)
     hf = HFLlamaConfig(**raw)
     assert config.head_dim == hf.head_dim
-    via_hf = LlamaConfig.from_hf(hf.to_dict())  # transformers fills in its default special-token ids
+    via_hf = ModelConfig.from_hf(hf.to_dict())  # transformers fills in its default special-token ids
     assert dataclasses.replace(via_hf, bos_token_id=None, eos_token_id=None, pad_token_id=None) == config
-    assert LlamaConfig.from_hf(config.to_hf()) == config
+    assert ModelConfig.from_hf(config.to_hf()) == config
 
 
 def test_defaults_for_optional_fields():
-    config = LlamaConfig.from_hf({"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+    config = ModelConfig.from_hf({"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
                                   "num_hidden_layers": 1, "num_attention_heads": 2})
     assert (config.num_key_value_heads, config.head_dim) == (2, 4)
     assert config.rope == RopeConfig("default", 10000.0)
@@ -73,16 +73,16 @@ def test_defaults_for_optional_fields():
 ])
 def test_bad_fields_are_named(change, message):
     with pytest.raises(ConfigError) as info:
-        LlamaConfig.from_hf({**LLAMA_31_8B, **change})
+        ModelConfig.from_hf({**LLAMA_31_8B, **change})
     assert message in str(info.value)
 
 
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="config.json: not found"):
-        LlamaConfig.from_hf(tmp_path)
+        ModelConfig.from_hf(tmp_path)
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="expected a JSON object"):
-        LlamaConfig.from_hf(tmp_path)
+        ModelConfig.from_hf(tmp_path)
 
 
 # ---- TrainConfig.validate: finetune-lora's option ranges ----------------------------------------------
@@ -181,7 +181,7 @@ def test_a_rank_larger_than_a_layer_is_refused_before_the_run_dir_exists(tmp_pat
 def test_the_largest_rank_a_layer_holds_is_accepted(tiny_converted):
     from finetune.step.checks import check_rank
 
-    llama = LlamaConfig.from_hf(tiny_converted)
+    llama = ModelConfig.from_hf(tiny_converted)
     check_rank(TrainConfig(model="m", data="d", out="o", rank=32).validate(), llama)
     check_rank(TrainConfig(model="m", data="d", out="o", rank=64, targets="q_proj,o_proj").validate(), llama)
 

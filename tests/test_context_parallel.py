@@ -124,7 +124,7 @@ def test_under_cp_the_frozen_heads_chunks_hold_device_rows_of_each_devices_own_r
     positions. Counted against the whole batch's 8 rows instead, they would hold 512 // 8 = 64."""
     from finetune.planning.plan import _compile
     from finetune.step.mesh import make_mesh
-    from jaxmodel.config import LlamaConfig
+    from jaxmodel.config import ModelConfig
     from jaxmodel.loss import FROZEN_HEAD_DEVICE_ROWS
 
     vocab = 1000
@@ -133,7 +133,7 @@ def test_under_cp_the_frozen_heads_chunks_hold_device_rows_of_each_devices_own_r
     (tmp_path / "config.json").write_text(json.dumps(hf))
     cfg = TrainConfig(plan=True, model_config=str(tmp_path / "config.json"), mesh="dp=1,fsdp=1,cp=8,mp=1",
                       seq_len=8 * 512, batch_size=1, hbm_gb=1, dtype="float32").validate()
-    compiled, _ = _compile(cfg, LlamaConfig.from_hf(tmp_path), make_mesh(cfg.mesh, jax.devices()), np.float32,
+    compiled, _ = _compile(cfg, ModelConfig.from_hf(tmp_path), make_mesh(cfg.mesh, jax.devices()), np.float32,
                            np.float32)
     # the head's dots: each device's logits of a chunk, [rows, vocab] or [rows, positions, vocab]
     leading = re.findall(rf"= f32\[([\d,]+),{vocab}\]\S* dot\(", compiled.as_text())

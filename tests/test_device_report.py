@@ -80,11 +80,11 @@ def test_the_report_is_a_device_model_for_plan(quick_report, tmp_path):
 @pytest.mark.slow
 def test_mfu_and_flops_per_token_are_the_toolkits(quick_report):
     from finetune.step.flops import flops_per_token
-    from jaxmodel.config import LlamaConfig
+    from jaxmodel.config import ModelConfig
 
     report, _ = quick_report
     step, peak = report["step"], report["matmul_peak_flops"][report["step"]["dtype"]]
-    llama = LlamaConfig.from_hf(report["model"]["config"])
+    llama = ModelConfig.from_hf(report["model"]["config"])
     assert llama.num_hidden_layers == step["layers"]
     assert step["flops_per_token"] == flops_per_token(llama, step["seq"])
     assert step["mfu"] == pytest.approx(step["tokens_per_s"] * step["flops_per_token"] / (peak * step["devices"]))
@@ -147,9 +147,9 @@ def test_a_device_without_memory_stats_reports_no_measured_memory(device_report)
 
 
 def test_dense_attention_is_capped_on_an_accelerator_that_reports_no_memory_limit(device_report):
-    from jaxmodel.config import LlamaConfig
+    from jaxmodel.config import ModelConfig
 
-    llama = LlamaConfig(**device_report.WIDE_MODEL, rms_norm_eps=1e-5)
+    llama = ModelConfig(**device_report.WIDE_MODEL, rms_norm_eps=1e-5)
     fits = device_report.dense_attention_fits
     assert fits(llama, 32768, None, "cpu")  # the CPU's shapes are fixed and small
     assert fits(llama, device_report.DENSE_SEQ_WITHOUT_LIMIT, None, "gpu")

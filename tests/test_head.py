@@ -7,16 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmodel import LlamaConfig, LlamaForCausalLM
+from jaxmodel import ModelConfig, CausalLM
 from jaxmodel.lora import LoraConfig, apply_lora
 
-CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 
 
 @pytest.mark.slow
 def test_lm_head_adapter_equals_merged_weight():
-    model = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0))
+    model = CausalLM(CONFIG, rngs=nnx.Rngs(0))
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 12)), jnp.int32)
     plain = np.asarray(model(ids))
     lora = LoraConfig(rank=4, alpha=8.0, targets=("lm_head",))
@@ -33,7 +33,7 @@ def test_lm_head_adapter_equals_merged_weight():
 
 @pytest.mark.slow
 def test_head_of_hidden_states_is_the_forward():
-    model = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0))
+    model = CausalLM(CONFIG, rngs=nnx.Rngs(0))
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 12)), jnp.int32)
     assert model.sequence_order(12) is None
     np.testing.assert_array_equal(np.asarray(model.head(model.hidden_states(ids))), np.asarray(model(ids)))

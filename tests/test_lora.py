@@ -10,23 +10,23 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxmodel import LlamaConfig, LlamaForCausalLM
+from jaxmodel import ModelConfig, CausalLM
 from jaxmodel.layers import LoRAParam
 from jaxmodel.lora import ALL_TARGETS, LoraConfig, apply_lora, target_linears
 
-CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 7)), jnp.int32)
 
 
-def lora_model(**kw) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0))
+def lora_model(**kw) -> CausalLM:
+    model = CausalLM(CONFIG, rngs=nnx.Rngs(0))
     return apply_lora(model, LoraConfig(**kw), rngs=nnx.Rngs(1))
 
 
 @pytest.mark.slow
 def test_fresh_adapters_leave_the_output_unchanged_and_init_like_peft():
-    plain = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0))(IDS)
+    plain = CausalLM(CONFIG, rngs=nnx.Rngs(0))(IDS)
     model = lora_model()
     np.testing.assert_array_equal(model(IDS), plain)  # B = 0
     a = model.layers.mlp.down_proj.lora_a[...]
@@ -59,7 +59,7 @@ def test_subset_of_targets_and_lm_head():
     assert names == {"layers.self_attn.q_proj.lora_a", "layers.self_attn.q_proj.lora_b",
                      "layers.self_attn.v_proj.lora_a", "layers.self_attn.v_proj.lora_b",
                      "lm_head.lora_a", "lm_head.lora_b"}
-    tied = LlamaForCausalLM(LlamaConfig(**{**CONFIG.__dict__, "tie_word_embeddings": True}), rngs=nnx.Rngs(0))
+    tied = CausalLM(ModelConfig(**{**CONFIG.__dict__, "tie_word_embeddings": True}), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="not layers of this model"):
         apply_lora(tied, LoraConfig(targets=("lm_head",)), rngs=nnx.Rngs(0))
 
@@ -110,7 +110,7 @@ def test_dropout_is_inverted_dropout_of_the_lora_input(p):
 
 @pytest.mark.slow
 def test_lora_stays_float32_on_a_bf16_base():
-    model = LlamaForCausalLM(CONFIG, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    model = CausalLM(CONFIG, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     apply_lora(model, LoraConfig(), rngs=nnx.Rngs(1))
     assert model.layers.self_attn.q_proj.weight[...].dtype == jnp.bfloat16
     assert model.layers.self_attn.q_proj.lora_a[...].dtype == jnp.float32
@@ -126,9 +126,9 @@ def test_lora_b_is_split_over_fsdp_even_when_the_rank_is_not(rank, expected_b):
     from jaxmodel.sharding import partition_spec
 
     mesh = jax.make_mesh((1, 4, 2), ("dp", "fsdp", "mp"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    model = apply_lora(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), LoraConfig(rank=rank, alpha=16), rngs=nnx.Rngs(1))
+    model = apply_lora(CausalLM(config, rngs=nnx.Rngs(0)), LoraConfig(rank=rank, alpha=16), rngs=nnx.Rngs(1))
     up = model.layers.mlp.up_proj
     spec = partition_spec(up.lora_b.get_metadata()["axes"], up.lora_b[...].shape, mesh)
     assert spec == expected_b

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxprs import count_eqns
 
-from jaxmodel import LlamaConfig, LlamaForCausalLM
+from jaxmodel import ModelConfig, CausalLM
 from jaxmodel.layers import LoRAParam
 from jaxmodel.lora import LoraConfig, apply_lora
 from jaxmodel.loss import (CPU_EXP_SUM_ROW, FROZEN_HEAD_DEVICE_ROWS, chunked_token_losses, cross_entropy_sums,
@@ -150,9 +150,9 @@ def test_reference_is_the_float64_loss_and_finetune_loss_sums():
     assert_close(loss, expected)
     assert float(count) == np.asarray(mask).sum()
 
-    config = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+    config = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    model = CausalLM(config, rngs=nnx.Rngs(0))
     ids = jnp.asarray(rng.integers(0, 40, (3, 11)), jnp.int32)
     batch = {"input_ids": ids, "targets": targets, "loss_mask": mask, "segment_ids": jnp.ones_like(ids),
              "positions": jnp.broadcast_to(jnp.arange(11), (3, 11))}
@@ -260,9 +260,9 @@ def bf16_weight_gradient_bound(p: Problem, x) -> tuple[np.ndarray, np.ndarray]:
 def test_nnx_lora_head_under_jit_and_grad_of_the_split_lora_state():
     """The LoRA-carrying lm_head of a model merged from `nnx.split(model, LoRAParam, ...)` as head_fn:
     the gradient with respect to the LoRA state equals the full-logits one."""
-    config = LlamaConfig(vocab_size=72, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+    config = ModelConfig(vocab_size=72, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    model = apply_lora(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), LoraConfig(targets=("lm_head",)),
+    model = apply_lora(CausalLM(config, rngs=nnx.Rngs(0)), LoraConfig(targets=("lm_head",)),
                        rngs=nnx.Rngs(1))
     head = model.lm_head
     head.lora_b.set_value(jax.random.normal(jax.random.key(2), head.lora_b[...].shape))
@@ -570,10 +570,10 @@ def test_finetune_takes_the_cheapest_head_loss_and_the_plain_losses_and_gradient
                         ("chunked_token_losses", "chunked")):
         monkeypatch.setattr(lm_head, name, functools.partial(
             lambda f, label, *a, **k: calls.append(label) or f(*a, **k), getattr(lm_head, name), label))
-    config = LlamaConfig(vocab_size=72, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+    config = ModelConfig(vocab_size=72, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     targets = ("q_proj", "lm_head") if lm_head_lora else ("q_proj",)
-    model = apply_lora(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), LoraConfig(targets=targets), rngs=nnx.Rngs(1))
+    model = apply_lora(CausalLM(config, rngs=nnx.Rngs(0)), LoraConfig(targets=targets), rngs=nnx.Rngs(1))
     graphdef, lora, base = nnx.split(model, LoRAParam, ...)
     lora = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(2), x.shape, x.dtype), lora)
     rng = np.random.default_rng(0)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmodel import LlamaConfig, LlamaForCausalLM
+from jaxmodel import ModelConfig, CausalLM
 from jaxmodel.attention import xla_attention
 from jaxmodel.layers import Linear, LoRAParam
 from jaxmodel.lora import LoraConfig, apply_lora
@@ -30,7 +30,7 @@ CONTRACTIONS = [
 BF16_UNIT_ROUNDOFF = 2.0 ** -8  # 8 significant bits
 F32_UNIT_ROUNDOFF = 2.0 ** -24
 
-CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 
 
@@ -140,7 +140,7 @@ def test_bfloat16_attention_forward_and_backward_dots_take_bf16_operands():
 
 
 def test_bfloat16_lm_head_and_its_gradient_take_bf16_operands():
-    model = LlamaForCausalLM(CONFIG, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    model = CausalLM(CONFIG, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     h = jnp.ones((2, 5, 32), jnp.bfloat16)
     assert model.head(h).dtype == jnp.float32
     assert _dot_types(jax.grad(lambda h: jnp.sum(model.head(h) ** 2)), h) == [("bf16", "bf16", "f32")] * 2
@@ -148,7 +148,7 @@ def test_bfloat16_lm_head_and_its_gradient_take_bf16_operands():
 
 def _dot_count(remat: str, dtype) -> int:
     """dot_generals in a LoRA gradient of the model with `remat` (recomputed forward matmuls add some)."""
-    model = LlamaForCausalLM(CONFIG, dtype=dtype, param_dtype=dtype, remat=remat, rngs=nnx.Rngs(0))
+    model = CausalLM(CONFIG, dtype=dtype, param_dtype=dtype, remat=remat, rngs=nnx.Rngs(0))
     apply_lora(model, LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "down_proj")), rngs=nnx.Rngs(1))
     graphdef, lora, rest = nnx.split(model, LoRAParam, ...)
 
@@ -199,7 +199,7 @@ def test_every_matmul_of_a_lora_step_on_the_cpu_runs_in_ynnpack(dtype, attention
     """The weight gradients (LoRA's A and B, attention's keys and values) contract the tokens or queries, the
     major axis of both operands: as such XLA:CPU gives them to Eigen, which runs beside the YNNPACK matmuls
     on the same threads and slows them (jaxmodel.matmul._minor_contraction)."""
-    model = LlamaForCausalLM(CONFIG, dtype=dtype, param_dtype=dtype, remat="dots", attention=attention,
+    model = CausalLM(CONFIG, dtype=dtype, param_dtype=dtype, remat="dots", attention=attention,
                              rngs=nnx.Rngs(0))
     apply_lora(model, LoraConfig(rank=2, alpha=4.0), rngs=nnx.Rngs(1))
     graphdef, lora, rest = nnx.split(model, LoRAParam, ...)

@@ -10,17 +10,17 @@ import pytest
 from flax import nnx
 
 import jaxmodel.attention as attention_module
-from jaxmodel import LlamaConfig, LlamaForCausalLM
+from jaxmodel import ModelConfig, CausalLM
 from jaxmodel.layers import LoRAParam
 from jaxmodel.lora import ALL_TARGETS, LoraConfig, apply_lora, target_linears
 
-CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 
 
 def lowered_text(layers: int, remat: str = "none") -> str:
     config = dataclasses.replace(CONFIG, num_hidden_layers=layers)
-    model = LlamaForCausalLM(config, remat=remat, rngs=nnx.Rngs(0))
+    model = CausalLM(config, remat=remat, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
 
     def loss(state, ids):
@@ -41,7 +41,7 @@ def test_program_size_does_not_grow_with_depth():
 @pytest.mark.slow
 @pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch"])
 def test_remat_policies_keep_the_numbers(remat):
-    model = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(1))
+    model = CausalLM(CONFIG, rngs=nnx.Rngs(1))
     graphdef, state = nnx.split(model)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 16)), jnp.int32)
 
@@ -55,7 +55,7 @@ def test_remat_policies_keep_the_numbers(remat):
     plain, rematted = grads("none"), grads(remat)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(rematted)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    remat_model = LlamaForCausalLM(CONFIG, remat=remat, rngs=nnx.Rngs(1))
+    remat_model = CausalLM(CONFIG, remat=remat, rngs=nnx.Rngs(1))
     jaxpr = str(jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(ids).mean())(nnx.state(remat_model)))
     assert "remat" not in jaxpr  # the plain model's graphdef
     graphdef_remat, state_remat = nnx.split(remat_model)
@@ -65,13 +65,13 @@ def test_remat_policies_keep_the_numbers(remat):
 
 def test_unknown_remat_policy_is_rejected():
     with pytest.raises(ValueError, match="remat must be one of"):
-        LlamaForCausalLM(CONFIG, remat="sometimes", rngs=nnx.Rngs(0))
+        CausalLM(CONFIG, remat="sometimes", rngs=nnx.Rngs(0))
 
 
 def test_unknown_attention_is_rejected():
     with pytest.raises(ValueError, match=r"attention must be one of \['xla', 'blockwise'\], got 'flash'"):
-        LlamaForCausalLM(CONFIG, attention="flash", rngs=nnx.Rngs(0))
-    model = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0))
+        CausalLM(CONFIG, attention="flash", rngs=nnx.Rngs(0))
+    model = CausalLM(CONFIG, rngs=nnx.Rngs(0))
     model.attention = "flash"  # set after construction: refused when called
     with pytest.raises(ValueError, match="attention must be one of"):
         model(jnp.zeros((1, 4), jnp.int32))
@@ -107,7 +107,7 @@ def test_blockwise_attention_keeps_logits_and_lora_gradients(monkeypatch, remat)
     monkeypatch.setattr(attention_module, "BLOCK_KV", 16)
     t = 45
     ids, segments, attention_mask, positions, real = packed_and_padded_batch(t)
-    model = apply_lora(LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(2)), LoraConfig(), rngs=nnx.Rngs(3))
+    model = apply_lora(CausalLM(CONFIG, rngs=nnx.Rngs(2)), LoraConfig(), rngs=nnx.Rngs(3))
     for i, (_, linear) in enumerate(target_linears(model, ALL_TARGETS)):  # B = 0 would leave A's gradient 0
         linear.lora_b.set_value(0.1 * jax.random.normal(jax.random.key(i), linear.lora_b[...].shape))
     graphdef, lora, rest = nnx.split(model, LoRAParam, ...)
@@ -138,7 +138,7 @@ def test_blockwise_attention_builds_no_sequence_by_sequence_array(monkeypatch):
     monkeypatch.setattr(attention_module, "BLOCK_KV", 16)
     t = 45
     ids, segments, attention_mask, positions, _ = packed_and_padded_batch(t)
-    graphdef, state = nnx.split(LlamaForCausalLM(CONFIG, attention="blockwise", remat="dots", rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(CausalLM(CONFIG, attention="blockwise", remat="dots", rngs=nnx.Rngs(0)))
 
     def loss(state):
         return nnx.merge(graphdef, state)(ids, positions=positions, segment_ids=segments,
@@ -146,14 +146,14 @@ def test_blockwise_attention_builds_no_sequence_by_sequence_array(monkeypatch):
 
     shapes = re.findall(r"\[([0-9,]+)\]", str(jax.make_jaxpr(jax.grad(loss))(state)))
     assert shapes and not [s for s in shapes if s.split(",").count(str(t)) >= 2]
-    graphdef_xla, _ = nnx.split(LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0)))  # the check sees the plain path's
+    graphdef_xla, _ = nnx.split(CausalLM(CONFIG, rngs=nnx.Rngs(0)))  # the check sees the plain path's
     shapes = re.findall(r"\[([0-9,]+)\]", str(jax.make_jaxpr(jax.grad(
         lambda s: nnx.merge(graphdef_xla, s)(ids, segment_ids=segments).sum()))(state)))
     assert [s for s in shapes if s.split(",").count(str(t)) >= 2]
 
 
 def test_bf16_compute_with_f32_params_returns_f32_logits():
-    model = LlamaForCausalLM(CONFIG, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    model = CausalLM(CONFIG, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     assert model.layers.mlp.up_proj.weight[...].dtype == jnp.float32
     assert model.layers.mlp.up_proj.weight[...].shape == (2, 48, 32)
     logits = model(jnp.zeros((1, 5), jnp.int32))
@@ -165,7 +165,7 @@ def test_bf16_weight_stacks_are_never_converted_whole():
     dynamic-slice in float32 and convert the whole [layers, out, in] stack at every step (the compiled LoRA
     gradient holds no float32 array of a stack's shape)."""
     config = dataclasses.replace(CONFIG, num_hidden_layers=3)
-    model = LlamaForCausalLM(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, remat="dots", rngs=nnx.Rngs(0))
+    model = CausalLM(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, remat="dots", rngs=nnx.Rngs(0))
     apply_lora(model, LoraConfig(rank=4, alpha=8, targets=("q_proj", "up_proj")), rngs=nnx.Rngs(1))
     graphdef, lora, base = nnx.split(model, LoRAParam, ...)
     ids = jnp.zeros((2, 16), jnp.int32)
@@ -186,7 +186,7 @@ def test_causal_query_blocks_keep_the_numbers(monkeypatch):
     segments[0, t // 3:] = 2  # a second document starting inside a query block
     segments[1, -7:] = 0  # padding at the end
     positions = np.where(segments[0] == 2, np.arange(t) - t // 3, np.arange(t))[None].repeat(2, 0)
-    model = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(2))
+    model = CausalLM(CONFIG, rngs=nnx.Rngs(2))
     graphdef, state = nnx.split(model)
 
     def run(blocks):

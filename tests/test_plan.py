@@ -15,7 +15,7 @@ from finetune.planning.fit import fit, frozen_bytes, lower_bound, meshes, offloa
 from finetune.planning.plan import plan
 from finetune.step import mesh as mesh_module
 from finetune.step.flops import flops_per_token
-from jaxmodel.config import LlamaConfig
+from jaxmodel.config import ModelConfig
 
 LLAMA_405B = Path(__file__).parent / "data" / "llama-3.1-405b-config.json"  # meta-llama/Llama-3.1-405B's config.json
 
@@ -133,7 +133,7 @@ def test_cli_bad_allocator_variable_is_one_line_before_compiling(small_config, c
 
 
 def test_fit_tries_every_split_of_the_named_devices_with_mp_within_the_kv_heads():
-    llama = LlamaConfig.from_hf({**SMALL, "num_key_value_heads": 2})
+    llama = ModelConfig.from_hf({**SMALL, "num_key_value_heads": 2})
     config = TrainConfig(plan=True, model_config="c.json", mesh="dp=1,fsdp=-1,mp=1", batch_size=4, seq_len=64)
     found = [",".join(f"{a}={m[a]}" for a in ("dp", "fsdp", "cp", "mp")) for m in meshes(config, llama, 4, 8)]
     assert found[0] == "dp=1,fsdp=4,cp=1,mp=1"  # the given mesh first
@@ -143,7 +143,7 @@ def test_fit_tries_every_split_of_the_named_devices_with_mp_within_the_kv_heads(
     # the devices the mesh names, not all of them; mp within one host
     two = meshes(dataclasses.replace(config, mesh="dp=1,fsdp=2,mp=1"), llama, 8, 8)
     assert len(two) == 4 and all(math.prod(m.values()) == 2 for m in two)
-    assert max(m["mp"] for m in meshes(config, LlamaConfig.from_hf({**SMALL, "num_key_value_heads": 4}), 8, 2)) == 2
+    assert max(m["mp"] for m in meshes(config, ModelConfig.from_hf({**SMALL, "num_key_value_heads": 4}), 8, 2)) == 2
 
 
 def test_fit_tries_each_meshs_settings_fastest_first():
@@ -157,7 +157,7 @@ def test_fit_tries_each_meshs_settings_fastest_first():
 def test_the_lower_bound_of_fsdp_is_its_weight_gathers():
     """405B on 8 MI300X at the reference shape: gathering every layer twice a step over fsdp=8 takes 4.4 s at
     RCCL's bus bandwidth, whatever the batch; mp=8 gathers nothing, so its bound is its compute (0.29 s)."""
-    llama = LlamaConfig.from_hf(LLAMA_405B)
+    llama = ModelConfig.from_hf(LLAMA_405B)
     config = TrainConfig(plan=True, model_config=str(LLAMA_405B), batch_size=16, seq_len=64)
     weights, layer = frozen_bytes(config, llama)
     assert weights == pytest.approx(811.7e9, rel=1e-3) and layer * 126 == pytest.approx(weights - 2 * 4.2e9, rel=1e-2)
@@ -175,7 +175,7 @@ def test_fit_leaves_offload_out_and_says_what_it_would_need():
     config = TrainConfig(plan=True, model_config=str(LLAMA_405B), mesh="dp=1,fsdp=1,cp=8,mp=1", batch_size=1,
                          seq_len=131072)
     assert all(c.remat != "offload" for c in settings(config, {"dp": 1, "fsdp": 1, "cp": 8, "mp": 1}))
-    note = offload_note(config, LlamaConfig.from_hf(LLAMA_405B), {"dp": 1, "fsdp": 1, "cp": 8, "mp": 1}, "gpu")
+    note = offload_note(config, ModelConfig.from_hf(LLAMA_405B), {"dp": 1, "fsdp": 1, "cp": 8, "mp": 1}, "gpu")
     assert note == ("--remat offload not tried: never measured on gpu, and it keeps each layer's input in pinned "
                     "host memory: 67.6 GB per device here (126 layers x 16384 tokens x hidden 16384 x 2 bytes); "
                     "plan it with --plan --remat offload")
@@ -240,7 +240,7 @@ def test_cli_fit_when_nothing_fits_names_every_mesh_and_exits_1(small_config, ca
     rows = capsys.readouterr().out.splitlines()
     pruned = [row for row in rows if ": pruned, its frozen weights alone take" in row]
     assert len(pruned) == len(meshes(TrainConfig(plan=True, model_config="c", mesh="dp=1,fsdp=1,cp=8,mp=1"),
-                                     LlamaConfig.from_hf(SMALL), 8, 8)) == 16  # mp at most the 2 KV heads
+                                     ModelConfig.from_hf(SMALL), 8, 8)) == 16  # mp at most the 2 KV heads
     assert rows[-2].startswith("--remat offload not tried")
     assert rows[-1] == "nothing tried fits: use more devices, a shorter --seq-len or a smaller --batch-size"
 

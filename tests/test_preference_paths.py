@@ -137,7 +137,7 @@ def test_a_dpo_step_gathers_the_frozen_head_weight_once_for_the_policy_and_the_r
     from finetune.config import TrainConfig
     from finetune.planning.plan import _compile
     from finetune.step.mesh import make_mesh
-    from jaxmodel.config import LlamaConfig
+    from jaxmodel.config import ModelConfig
 
     vocab, hidden = 512, 64
     hf = {"model_type": "llama", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 128,
@@ -145,7 +145,7 @@ def test_a_dpo_step_gathers_the_frozen_head_weight_once_for_the_policy_and_the_r
     (tmp_path / "config.json").write_text(json.dumps(hf))
     cfg = TrainConfig(plan=True, model_config=str(tmp_path / "config.json"), mesh="dp=1,fsdp=8,mp=1", seq_len=64,
                       loss_chunk=16, batch_size=8, objective="dpo", remat=remat, hbm_gb=1, dtype="float32").validate()
-    compiled, _ = _compile(cfg, LlamaConfig.from_hf(tmp_path), make_mesh(cfg.mesh, jax.devices()), np.float32,
+    compiled, _ = _compile(cfg, ModelConfig.from_hf(tmp_path), make_mesh(cfg.mesh, jax.devices()), np.float32,
                            np.float32)
     gathers = re.findall(r"= f32\[([\d,]*)\][^ ]* all-gather(?:-start)?\(", compiled.as_text())
     # the embedding table's gather (whole along the hidden dimension for its lookup) and the head weight's

@@ -220,12 +220,12 @@ def test_values_not_stored_whole_are_not_read(tmp_path, key_inputs):
 def test_plan_compiles_the_step_without_the_reference_forward(tmp_path):
     from finetune.planning.plan import _compile, plan
     from finetune.step.mesh import make_mesh
-    from jaxmodel.config import LlamaConfig
+    from jaxmodel.config import ModelConfig
 
     hf = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "float32"}
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    llama = LlamaConfig.from_hf(tmp_path)
+    llama = ModelConfig.from_hf(tmp_path)
 
     def planned(**kw):
         cfg = TrainConfig(plan=True, model_config=str(tmp_path / "config.json"), mesh="dp=1,fsdp=1,mp=1",

@@ -11,7 +11,7 @@ import torch
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxmodel import LlamaConfig, LlamaForCausalLM
+from jaxmodel import ModelConfig, CausalLM
 from jaxmodel.layers import Linear, LoRAParam, QuantizedParam
 from jaxmodel.lora import LoraConfig, apply_lora
 from jaxmodel.model import quantize_model
@@ -24,7 +24,7 @@ PUBLISHED_NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488098
                  0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
                  0.7229568362236023, 1.0]
 
-CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 7)), jnp.int32)
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -179,9 +179,9 @@ def test_bad_quantization_settings():
 
 # --- the model ---------------------------------------------------------------------------------------------
 
-def dequantized_reference(quantized: LlamaForCausalLM, param_dtype=jnp.float32) -> LlamaForCausalLM:
+def dequantized_reference(quantized: CausalLM, param_dtype=jnp.float32) -> CausalLM:
     """An unquantized model whose projection weights are `quantized`'s, dequantized (numpy)."""
-    reference = LlamaForCausalLM(CONFIG, dtype=quantized.dtype, param_dtype=param_dtype, rngs=nnx.Rngs(9))
+    reference = CausalLM(CONFIG, dtype=quantized.dtype, param_dtype=param_dtype, rngs=nnx.Rngs(9))
     for path in PROJECTIONS:
         module, ref = quantized.layers, reference.layers
         for part in path.split("."):
@@ -199,7 +199,7 @@ def dequantized_reference(quantized: LlamaForCausalLM, param_dtype=jnp.float32) 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme, block", [("nf4", 8), ("nf4", 16), ("int8", 16)])
 def test_quantized_model_is_the_dequantized_model(scheme, block):
-    plain = LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0))
+    plain = CausalLM(CONFIG, rngs=nnx.Rngs(0))
     model = quantize_model(plain, Quantization(scheme, block))
     state = nnx.state(model, nnx.Param)
     names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(state)}
@@ -218,7 +218,7 @@ def test_quantized_model_is_the_dequantized_model(scheme, block):
 
 @pytest.mark.slow
 def test_quantized_model_with_lora_and_bf16_compute_is_the_dequantized_model():
-    model = quantize_model(LlamaForCausalLM(CONFIG, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+    model = quantize_model(CausalLM(CONFIG, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
                                             rngs=nnx.Rngs(0)), Quantization("nf4", 16))
     reference = dequantized_reference(model, jnp.bfloat16)  # the bf16 path on bf16 dequantized weights
     for m in (model, reference):
@@ -259,9 +259,9 @@ def test_quantized_linear_computes_dequantize_then_matmul():
 def test_codes_and_scales_shard_like_the_weight_at_whole_blocks():
     """fsdp splits the input dimension by blocks; when the blocks do not divide, neither array is split."""
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(1, 4, 1, 2), ("dp", "fsdp", "cp", "mp"))
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    model = nnx.eval_shape(lambda: LlamaForCausalLM(config, quantization=Quantization("nf4", 16),
+    model = nnx.eval_shape(lambda: CausalLM(config, quantization=Quantization("nf4", 16),
                                                     rngs=nnx.Rngs(0)))
 
     def specs(linear):
@@ -271,13 +271,13 @@ def test_codes_and_scales_shard_like_the_weight_at_whole_blocks():
     assert specs(model.layers.self_attn.q_proj) == (P(None, "mp", "fsdp", None), P(None, "mp", "fsdp"))
     # down_proj [64 out (embed), 96 in (mlp)]: 6 blocks of the input over mp=2, the output over fsdp
     assert specs(model.layers.mlp.down_proj) == (P(None, "fsdp", "mp", None), P(None, "fsdp", "mp"))
-    model = nnx.eval_shape(lambda: LlamaForCausalLM(config, quantization=Quantization("nf4", 32),
+    model = nnx.eval_shape(lambda: CausalLM(config, quantization=Quantization("nf4", 32),
                                                     rngs=nnx.Rngs(0)))
     # 2 blocks of the input do not divide over fsdp=4: codes and scales both keep it whole
     assert specs(model.layers.self_attn.q_proj) == (P(None, "mp", None, None), P(None, "mp", None))
 
 
-def grad_temp_bytes(model: LlamaForCausalLM) -> int:
+def grad_temp_bytes(model: CausalLM) -> int:
     """Compiled temporaries of a LoRA gradient through `model` (remat "none")."""
     apply_lora(model, LoraConfig(rank=4), rngs=nnx.Rngs(1))
     graphdef, lora, rest = nnx.split(model, LoRAParam, ...)
@@ -291,10 +291,10 @@ def grad_temp_bytes(model: LlamaForCausalLM) -> int:
 
 @pytest.mark.slow
 def test_backward_does_not_keep_every_layers_dequantized_weights():
-    config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    config = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    plain = grad_temp_bytes(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
-    quantized = grad_temp_bytes(LlamaForCausalLM(config, quantization=Quantization("nf4", 64), rngs=nnx.Rngs(0)))
+    plain = grad_temp_bytes(CausalLM(config, rngs=nnx.Rngs(0)))
+    quantized = grad_temp_bytes(CausalLM(config, quantization=Quantization("nf4", 64), rngs=nnx.Rngs(0)))
     d, f, kv = 128, 256, 2 * 32
     layer_weights = 4 * (d * d * 2 + 2 * d * kv + 3 * d * f)  # float32 bytes of one layer's projections
     # kept for the backward pass, the dequantized weights of all 4 layers would add 4 x layer_weights

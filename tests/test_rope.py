@@ -7,7 +7,7 @@ from strategies import llama_configs
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from jaxmodel.config import LlamaConfig
+from jaxmodel.config import ModelConfig
 from jaxmodel.rope import inv_freq
 
 REAL = {  # (head_dim, rope) of the Llama 3.x family, from their published config.json files
@@ -26,7 +26,7 @@ def both(head_dim: int, rope: dict):
            "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": head_dim, "rope_parameters": rope,
            "max_position_embeddings": 131072}
     theirs = LlamaRotaryEmbedding(HFLlamaConfig(**raw)).inv_freq.numpy()
-    return inv_freq(LlamaConfig.from_hf(raw).rope, head_dim), theirs
+    return inv_freq(ModelConfig.from_hf(raw).rope, head_dim), theirs
 
 
 @pytest.mark.parametrize("name", REAL)
@@ -65,7 +65,7 @@ def test_a_16_bit_rotation_is_the_float32_one_rounded_once():
     b, t, n, h = 2, 64, 4, 32
     x = rng.normal(size=(b, t, n, h)).astype(ml_dtypes.bfloat16)
     positions = np.broadcast_to(np.arange(t), (b, t))
-    cos, sin = cos_sin(jnp.asarray(positions), inv_freq(LlamaConfig.from_hf(
+    cos, sin = cos_sin(jnp.asarray(positions), inv_freq(ModelConfig.from_hf(
         {"model_type": "llama", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8, "num_hidden_layers": 1,
          "num_attention_heads": 2, "head_dim": h}).rope, h), jnp.bfloat16)
     ours = apply_rope(jnp.asarray(x), cos, sin)

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from finetune.config import TrainConfig, load_config
 from finetune.data.reference import build_rows, tokenize
 from finetune.step.train_step import TrainState, build_steps, loss_and_grads, make_optimizer, split_model
-from jaxmodel import LlamaConfig, LlamaForCausalLM, load_pretrained
+from jaxmodel import ModelConfig, CausalLM, load_pretrained
 from jaxmodel.lora import ALL_TARGETS, LoraConfig, apply_lora, target_linears
 
 ASSISTANT_HEADER = "<|start_header_id|>assistant<|end_header_id|>\n\n"
@@ -181,7 +181,7 @@ def test_masked_targets_change_nothing_and_trained_targets_change_the_loss(token
 
 # ---- the learning rate ------------------------------------------------------------------------------
 
-MINI = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+MINI = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=8)
 
 
@@ -190,7 +190,7 @@ def mini():
     """(a one-layer model with non-zero LoRA B on q/v, a batch of random tokens): the optimizer's behaviour
     does not depend on the model, and this one compiles a train step in a few seconds."""
     lora_config = LoraConfig(rank=4, alpha=8, targets=("q_proj", "v_proj"))
-    model = apply_lora(LlamaForCausalLM(MINI, rngs=nnx.Rngs(0)), lora_config, rngs=nnx.Rngs(1))
+    model = apply_lora(CausalLM(MINI, rngs=nnx.Rngs(0)), lora_config, rngs=nnx.Rngs(1))
     for i, (_, linear) in enumerate(target_linears(model, ("q_proj", "v_proj"))):
         linear.lora_b.set_value(0.05 * jax.random.normal(jax.random.key(i), linear.lora_b[...].shape))
     ids = np.random.default_rng(0).integers(0, MINI.vocab_size, (2, 17)).astype(np.int32)

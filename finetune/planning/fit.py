@@ -46,7 +46,7 @@ from finetune.step.checks import layer_shapes
 from finetune.step.flops import flops_per_token
 from finetune.step.mesh import parse_mesh
 from finetune.step.train_step import DTYPES
-from jaxmodel.config import LlamaConfig
+from jaxmodel.config import ModelConfig
 from jaxmodel.sharding import MESH_AXES
 
 # Options that describe the plan, not the run (declared with plan_only=True in finetune/config.py): left out
@@ -120,7 +120,7 @@ def _seconds(report: PlanReport) -> float:
     return report.prediction.step_seconds if report.prediction is not None else math.inf
 
 
-def meshes(config: TrainConfig, llama: LlamaConfig, device_count: int, host_devices: int) -> list[dict[str, int]]:
+def meshes(config: TrainConfig, llama: ModelConfig, device_count: int, host_devices: int) -> list[dict[str, int]]:
     """Every dp x fsdp x cp x mp split (powers of two) of the devices the given mesh names, the given one first;
     mp at most the KV heads and the devices of one host."""
     given = parse_mesh(config.mesh, device_count)
@@ -147,7 +147,7 @@ def settings(config: TrainConfig, mesh: dict[str, int]):
             yield dataclasses.replace(config, mesh=spec, remat="full", grad_accum=accum)
 
 
-def frozen_bytes(config: TrainConfig, llama: LlamaConfig) -> tuple[float, float]:
+def frozen_bytes(config: TrainConfig, llama: ModelConfig) -> tuple[float, float]:
     """(all of the frozen base's matmul weights, one layer's seven projections), in bytes as the run stores them:
     quantized projections as their codes and float32 scales; the LM head and embedding in the parameter dtype."""
     shapes = layer_shapes(llama)
@@ -160,7 +160,7 @@ def frozen_bytes(config: TrainConfig, llama: LlamaConfig) -> tuple[float, float]
     return llama.num_hidden_layers * layer + head, layer
 
 
-def lower_bound(config: TrainConfig, llama: LlamaConfig, mesh: dict[str, int], device: DeviceModel,
+def lower_bound(config: TrainConfig, llama: ModelConfig, mesh: dict[str, int], device: DeviceModel,
                 layer_bytes: float) -> float:
     """Seconds no step of this mesh can beat (module docstring)."""
     devices = math.prod(mesh.values())
@@ -175,7 +175,7 @@ def lower_bound(config: TrainConfig, llama: LlamaConfig, mesh: dict[str, int], d
 
 def fit(config: TrainConfig) -> FitReport:
     """Plan the settings of every mesh not pruned; rank those that fit by predicted step time."""
-    llama = LlamaConfig.from_hf(Path(config.model_config or config.model))
+    llama = ModelConfig.from_hf(Path(config.model_config or config.model))
     device = plan_device_model(config)
     devices = jax.device_count()
     host = SIMULATED_HOST_DEVICES if jax.default_backend() == "cpu" else jax.local_device_count()
@@ -213,7 +213,7 @@ def fit(config: TrainConfig) -> FitReport:
     return FitReport(tried, pruned, notes)
 
 
-def offload_note(config: TrainConfig, llama: LlamaConfig, mesh: dict[str, int], backend: str) -> str:
+def offload_note(config: TrainConfig, llama: ModelConfig, mesh: dict[str, int], backend: str) -> str:
     """The report's line on `--remat offload`: why it was not tried, and the pinned host memory per device its
     saved layer inputs would take on the given mesh without accumulation (every layer's input, in the compute
     dtype, for the tokens of one device)."""

@@ -35,11 +35,11 @@ from finetune.planning.hlo_cost import StepCost, step_cost
 from finetune.planning.plan_json import plan_record
 from finetune.planning.timing import Prediction, predict
 from finetune.step.flops import flops_per_token
-from jaxmodel.config import LlamaConfig
+from jaxmodel.config import ModelConfig
 from jaxmodel.formats.checkpoint import MANIFEST, checkpoint_quantization, read_manifest
 from jaxmodel.layers import QuantizedParam
 from jaxmodel.lora import apply_lora
-from jaxmodel.model import LlamaForCausalLM
+from jaxmodel.model import CausalLM
 from jaxmodel.quantization import Quantization
 from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, named_sharding
 
@@ -178,7 +178,7 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
     usable = usable_memory()  # a bad allocator variable is an error before any compile
     device = plan_device_model(config)  # a bad --device-model too
     source = Path(config.model_config or config.model)
-    llama = LlamaConfig.from_hf(source)  # a clear error for a missing or malformed config
+    llama = ModelConfig.from_hf(source)  # a clear error for a missing or malformed config
     mesh = make_mesh(config.mesh)
     check_seq_len(config, llama, mesh)
     check_rank(config, llama)
@@ -252,13 +252,13 @@ def _reference_where(config: TrainConfig) -> str:
     return " (in the step, under stop_gradient)"
 
 
-def _compile(config: TrainConfig, llama: LlamaConfig, mesh, dtype, param_dtype,
+def _compile(config: TrainConfig, llama: ModelConfig, mesh, dtype, param_dtype,
              quantization: Quantization | None = None, lower: bool = True):
     """The run's jit train step, lowered and compiled from abstract, sharded inputs (None unless `lower`), and
     those inputs."""
     with jax.set_mesh(mesh):
         def build():
-            model = LlamaForCausalLM(llama, dtype=dtype, param_dtype=param_dtype, remat=config.remat,
+            model = CausalLM(llama, dtype=dtype, param_dtype=param_dtype, remat=config.remat,
                                      attention=config.attention_impl(mesh.shape["cp"]), mlp_chunk=config.mlp_chunk,
                                      rules=DEFAULT_RULES, quantization=quantization, rngs=nnx.Rngs(0))
             return apply_lora(model, config.lora_config(), rngs=nnx.Rngs(0))

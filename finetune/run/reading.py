@@ -19,11 +19,11 @@ from finetune.config import TrainConfig
 from finetune.run.errors import RunError
 from finetune.run.files import BASE_SOURCE, CHECKPOINTS, RESUMES, RUN_CONFIG
 from finetune.step.train_step import TrainState, make_optimizer, split_model
-from jaxmodel.config import LlamaConfig
+from jaxmodel.config import ModelConfig
 from jaxmodel.formats.checkpoint import check_source
 from jaxmodel.formats.io import read_json
 from jaxmodel.lora import LoraConfig, apply_lora
-from jaxmodel.model import LlamaForCausalLM
+from jaxmodel.model import CausalLM
 
 
 def read_run_config(run_dir: str | Path) -> TrainConfig:
@@ -104,7 +104,7 @@ def load_run(run_dir: str | Path, step: int | None = None,
         raise RunError(f"{run_dir}: no LoRA checkpoints (expected {run_dir / CHECKPOINTS} from finetune-lora)")
     if step is not None and step not in steps:
         raise RunError(f"{run_dir}: no checkpoint for step {step} (have: {', '.join(map(str, steps))})")
-    llama = LlamaConfig.from_hf(config.model)
+    llama = ModelConfig.from_hf(config.model)
     lora = lora_template(llama, config.lora_config())
     tx, _ = make_optimizer(config)
     like = TrainState(jnp.int32(0), lora, tx.init(lora), jax.random.key(0))
@@ -127,10 +127,10 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
-def lora_template(llama: LlamaConfig, lora_config: LoraConfig) -> nnx.State:
+def lora_template(llama: ModelConfig, lora_config: LoraConfig) -> nnx.State:
     """Zero LoRA parameters of the right shapes (and metadata), without building the base weights."""
     def build():
-        model = LlamaForCausalLM(llama, rngs=nnx.Rngs(0))
+        model = CausalLM(llama, rngs=nnx.Rngs(0))
         return apply_lora(model, lora_config, rngs=nnx.Rngs(0))
 
     _, lora, _ = split_model(nnx.eval_shape(build))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from finetune.config import ConfigFileError, TrainConfig
-from jaxmodel.config import LlamaConfig
+from jaxmodel.config import ModelConfig
 from jaxmodel.sharding import Rules, batch_mesh_axes, batch_ways
 
 
@@ -19,7 +19,7 @@ def check_batch_split(config: TrainConfig, mesh: Mesh, rules: Rules) -> None:
                               f"of {names} = {ways} (each device holds whole rows)")
 
 
-def check_seq_len(config: TrainConfig, llama: LlamaConfig, mesh: Mesh) -> None:
+def check_seq_len(config: TrainConfig, llama: ModelConfig, mesh: Mesh) -> None:
     if config.seq_len > llama.max_position_embeddings:
         raise ConfigFileError(f"--seq-len {config.seq_len} exceeds the model's max_position_embeddings "
                               f"({llama.max_position_embeddings})")
@@ -29,7 +29,7 @@ def check_seq_len(config: TrainConfig, llama: LlamaConfig, mesh: Mesh) -> None:
                               "the cp axis holds two equal chunks of every sequence)")
 
 
-def layer_shapes(llama: LlamaConfig) -> dict[str, tuple[int, int]]:
+def layer_shapes(llama: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of each linear layer LoRA can adapt, by HF module name."""
     hidden, mlp = llama.hidden_size, llama.intermediate_size
     q, kv = llama.num_attention_heads * llama.head_dim, llama.num_key_value_heads * llama.head_dim
@@ -38,7 +38,7 @@ def layer_shapes(llama: LlamaConfig) -> dict[str, tuple[int, int]]:
             "lm_head": (hidden, llama.vocab_size)}
 
 
-def check_rank(config: TrainConfig, llama: LlamaConfig) -> None:
+def check_rank(config: TrainConfig, llama: ModelConfig) -> None:
     """A LoRA rank no larger than the smallest dimension of any adapted layer (a larger one adds parameters
     that cannot raise the update's rank, and can make the adapters larger than the model)."""
     shapes = layer_shapes(llama)

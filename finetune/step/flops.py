@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from jaxmodel.config import LlamaConfig
+from jaxmodel.config import ModelConfig
 
 
-def flops_per_token(config: LlamaConfig, seq_len: int, reference_forward: bool = False) -> float:
+def flops_per_token(config: ModelConfig, seq_len: int, reference_forward: bool = False) -> float:
     """Model FLOPs per trained token of a LoRA step (frozen base), counted as:
 
     forward 2N (N = matmul weights: q, k, v, o, gate, up, down per layer, and the LM head) plus attention

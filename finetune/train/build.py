@@ -21,7 +21,7 @@ from finetune.step.memory import sharding_table
 from finetune.step.mesh import initialize_distributed, make_mesh
 from finetune.step.train_step import DTYPES, TrainState, jit_steps, make_optimizer, optimizer_shardings, split_model
 from finetune.train.reference_pass import with_precomputed_reference
-from jaxmodel.config import LlamaConfig
+from jaxmodel.config import ModelConfig
 from jaxmodel.formats.checkpoint import read_manifest
 from jaxmodel.formats.peft_adapter import load_peft_adapter, read_adapter
 from jaxmodel.lora import apply_lora
@@ -36,8 +36,8 @@ class Run:
 
     config: TrainConfig
     mesh: Mesh
-    llama: LlamaConfig
-    model: Any  # the LlamaForCausalLM with adapters, sharing its arrays with `base` and `state.lora`
+    llama: ModelConfig
+    model: Any  # the CausalLM with adapters, sharing its arrays with `base` and `state.lora`
     graphdef: Any
     base: nnx.State
     state: TrainState
@@ -80,7 +80,7 @@ def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dic
     check_batch_split(config, mesh, rules)
     model_dir = Path(config.model)
     read_manifest(model_dir)  # a clear error for a directory that is not a converted checkpoint
-    llama = LlamaConfig.from_hf(model_dir)
+    llama = ModelConfig.from_hf(model_dir)
     check_seq_len(config, llama, mesh)
     if not config.init_adapter:  # an adapter brings its own rank, checked against the model as it loads
         check_rank(config, llama)

@@ -31,11 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmodel.config import LlamaConfig
+from jaxmodel.config import ModelConfig
 from jaxmodel.errors import UserError
 from jaxmodel.formats.io import ShortFileError, crc32_of_range, read_json
 from jaxmodel.formats.safetensors_file import DTYPES, SafetensorsError, TensorLocation, read_header
-from jaxmodel.model import LlamaForCausalLM
+from jaxmodel.model import CausalLM
 from jaxmodel.quantization import Quantization
 
 MANIFEST = "jax_checkpoint.json"
@@ -49,10 +49,10 @@ class CheckpointError(ValueError, UserError):
     """A directory that is not a complete converted checkpoint; the message names the file and what is wrong."""
 
 
-def param_specs(config: LlamaConfig, param_dtype=jnp.float32,
+def param_specs(config: ModelConfig, param_dtype=jnp.float32,
                 quantization: Quantization | None = None) -> dict[str, tuple[tuple[int, ...], tuple]]:
     """Every parameter of the model for `config`: NNX path -> (shape, logical axes). No weights are made."""
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, param_dtype=param_dtype, quantization=quantization,
+    abstract = nnx.eval_shape(lambda: CausalLM(config, param_dtype=param_dtype, quantization=quantization,
                                                        rngs=nnx.Rngs(0)))
     return {
         ".".join(map(str, path)): (tuple(var.shape), var.get_metadata()["axes"])
@@ -60,7 +60,7 @@ def param_specs(config: LlamaConfig, param_dtype=jnp.float32,
     }
 
 
-def hf_tensors_by_param(config: LlamaConfig, tensors, source_dir: Path, error: type[Exception]) -> dict[str, dict]:
+def hf_tensors_by_param(config: ModelConfig, tensors, source_dir: Path, error: type[Exception]) -> dict[str, dict]:
     """An HF checkpoint's tensors (`hf_checkpoint.SourceTensor`s) by NNX path and layer (0 for an unstacked
     parameter), checked against `config`: every tensor a parameter of its shape (known extras such as rotary
     caches skipped, a tied model's stored head dropped) and every parameter present; `error(message)` else."""
