@@ -30,8 +30,8 @@ BIN = Path(sys.executable).parent
 
 _BUILD = r"""
 import json, sys
-from demo.tiny import build_tiny_llama
-build_tiny_llama(sys.argv[1], json.loads(sys.argv[2]), seed=0)
+from demo.tiny import build_tiny_model
+build_tiny_model(sys.argv[1], json.loads(sys.argv[2]), seed=0)
 """
 
 

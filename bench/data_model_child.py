@@ -20,11 +20,11 @@ def main() -> None:
     p.add_argument("config", help="JSON overrides of demo.tiny's config")
     p.add_argument("--tokenizer-json", help="a tokenizer.json; its tokenizer_config.json beside it is used too")
     args = p.parse_args()
-    from demo.tiny import CHAT_TEMPLATE, build_tiny_llama
+    from demo.tiny import CHAT_TEMPLATE, build_tiny_model
 
     hf_dir, config = Path(args.hf_dir), json.loads(args.config)
     if not args.tokenizer_json:
-        build_tiny_llama(hf_dir, config, seed=0)
+        build_tiny_model(hf_dir, config, seed=0)
         return
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -41,7 +41,7 @@ def main() -> None:
         tokenizer.chat_template = CHAT_TEMPLATE
     config.update(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    build_tiny_llama(hf_dir, config, seed=0, tokenizer=False)
+    build_tiny_model(hf_dir, config, seed=0, tokenizer=False)
     tokenizer.save_pretrained(hf_dir)
 
 

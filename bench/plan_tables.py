@@ -10,6 +10,7 @@ the setting docs/405b-on-mi300x.md uses. Devices are simulated on CPU (the CLI d
     python bench/plan_tables.py --only 405b-dpo        # the DPO rows only
     python bench/plan_tables.py --fit                  # also the --plan --fit examples of the docs (SFT and DPO)
     python bench/plan_tables.py --time                 # predicted step times: 405B layouts, 8B/70B replicated
+    python bench/plan_tables.py --families             # Qwen3-32B, Qwen2.5-72B, Mistral-Large-2 on 8 devices
 
 Prints two markdown tables, SFT rows then DPO rows (`--objective dpo --reference base`; `--batch-size` counts
 pairs, and a step holds 2 rows a pair): weights, LoRA + AdamW, temporaries (the compiler's), the measured
@@ -29,6 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 L405 = REPO / "tests/data/llama-3.1-405b-config.json"
 L70 = REPO / "bench/configs/llama-3.1-70b-config.json"
 L8 = REPO / "bench/configs/llama-3.1-8b-config.json"
+Q3_32 = REPO / "bench/configs/qwen3-32b-config.json"
+Q25_72 = REPO / "bench/configs/qwen2.5-72b-config.json"
+ML2 = REPO / "bench/configs/mistral-large-2407-config.json"
 FSDP8, CP8, ONE = "dp=1,fsdp=8,mp=1", "dp=1,fsdp=1,cp=8,mp=1", "dp=1,fsdp=1,cp=1,mp=1"
 
 # name: (config, mesh, batch, seq, extra flags)
@@ -75,6 +79,14 @@ TIME_ROWS = {
 }
 TIME_ROWS.update({f"{name}-16x2048-{mesh}": (config, mesh, 16, 2048, ["--remat", "full"])
                   for name, config in (("8b", L8), ("70b", L70)) for mesh in (DP8, FSDP8, MP8)})
+
+# Families (--families): the published configs of Qwen3-32B, Qwen2.5-72B and Mistral-Large-Instruct-2407 (123B) at
+# 16 x 2048 (remat full) on 8 devices: fsdp=8 and mp=8, and a replicated base (dp=8) where the weights fit a device.
+FAMILY_ROWS = {f"{name}-16x2048-{mesh}": (config, mesh, 16, 2048, ["--remat", "full"])
+               for name, config, meshes in (("qwen3-32b", Q3_32, (DP8, FSDP8, MP8)),
+                                            ("qwen2.5-72b", Q25_72, (DP8, FSDP8, MP8)),
+                                            ("mistral-large-2407", ML2, (FSDP8, MP8)))
+               for mesh in meshes}
 
 # The --fit examples: 405B, 16 x 8192 on the node; DPO, 8 pairs x 8192.
 FIT = (L405, FSDP8, 16, 8192, [])
@@ -142,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--time", action="store_true",
                         help="the predicted-time table (405B on fsdp, mp, mixes and cp; 8B and 70B replicated) "
                              "instead of the memory tables")
+    parser.add_argument("--families", action="store_true",
+                        help="memory and predicted time of Qwen3-32B, Qwen2.5-72B and Mistral-Large-2 on 8 devices "
+                             "instead of the memory tables")
     return parser
 
 
@@ -152,7 +167,9 @@ def main() -> None:
     print(f"CPU: {cpu_description()}; XLA_CLIENT_MEM_FRACTION={args.fraction}, --hbm-gb 192", flush=True)
     if args.time:
         time_table(TIME_ROWS, env, args.only)
-    for rows in (ROWS, DPO_ROWS) if not args.time else ():
+    if args.families:
+        time_table(FAMILY_ROWS, env, args.only)
+    for rows in (ROWS, DPO_ROWS) if not (args.time or args.families) else ():
         if any(args.only in name for name in rows):
             plan_table(rows, env, args.only)
     for example in (FIT, DPO_FIT) if args.fit else ():

@@ -51,8 +51,8 @@ PLANS = {
 
 _BUILD_HF = r"""
 import json, sys
-from demo.tiny import build_tiny_llama
-build_tiny_llama(sys.argv[1], json.loads(sys.argv[2]), seed=0)
+from demo.tiny import build_tiny_model
+build_tiny_model(sys.argv[1], json.loads(sys.argv[2]), seed=0)
 """
 
 # Converts in a fresh process and reports its own seconds (imports excluded), as bench/convert.py's child does.

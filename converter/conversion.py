@@ -17,7 +17,7 @@ import numpy as np
 
 from converter.errors import ConversionError, ConversionUsageError
 from converter.hub import resolve_source, source_record
-from jaxmodel.formats.hf_names import is_stacked, jax_to_hf
+from jaxmodel.formats.hf_names import names_of
 from jaxmodel.formats.hf_checkpoint import (AUX_FILES, HFCheckpointError, SourceTensor, close_file, iter_chunks,
                                             list_tensors, open_file)
 from jaxmodel.formats.atomic import atomic_directory
@@ -134,7 +134,8 @@ def _plan(config: ModelConfig, tensors: list[SourceTensor], source_dir: Path, dt
     expected = param_specs(config)
     by_path = hf_tensors_by_param(config, tensors, source_dir, ConversionError)
     sources = {t.name: (path, layer) for path, layers in by_path.items() for layer, t in layers.items()}
-    specs = {path: (shape, dtype if dtype is not None else by_path[path][0].dtype, is_stacked(path))
+    stacked = names_of(config).is_stacked
+    specs = {path: (shape, dtype if dtype is not None else by_path[path][0].dtype, stacked(path))
              for path, (shape, _) in expected.items()}
     if quantization is None:
         return _Plan(specs, sources)
@@ -157,7 +158,8 @@ def _quantized_paths(config: ModelConfig, expected: dict, quantization: Quantiza
     for path in paths:
         shape, _ = expected[path]
         if shape[-1] % quantization.block:
-            name = jax_to_hf(path, 0 if is_stacked(path) else None)
+            names = names_of(config)
+            name = names.jax_to_hf(path, 0 if names.is_stacked(path) else None)
             raise ConversionError(f"{source_dir}: --quant-block {quantization.block} does not divide the input "
                                   f"dimension {shape[-1]} of '{name}' (shape [out, in] = {list(shape[-2:])})")
     return paths

@@ -162,11 +162,11 @@ def build_or_reuse_checkpoint(hf_dir: Path, *, seed: int, layers: int, rebuild: 
     if not rebuild and (hf_dir / "config.json").exists() and recipe_file.exists() \
             and json.loads(recipe_file.read_text()) == recipe:
         return False
-    from demo.tiny import build_tiny_llama
+    from demo.tiny import build_tiny_model
 
     shutil.rmtree(hf_dir, ignore_errors=True)
     recipe_file.unlink(missing_ok=True)
-    build_tiny_llama(hf_dir, {k: v for k, v in recipe.items() if k != "seed"}, seed=seed)
+    build_tiny_model(hf_dir, {k: v for k, v in recipe.items() if k != "seed"}, seed=seed)
     recipe_file.write_text(json.dumps(recipe))
     return True
 

@@ -1,6 +1,6 @@
-"""Build small HuggingFace Llama checkpoints locally: random weights from a seed, and a tokenizer trained
-on the spot with `tokenizers`, so the directory looks exactly like a hub model, with nothing downloaded. For the
-demo, tests and benchmarks. Needs the `[torch]` extra.
+"""Build small HuggingFace checkpoints (Llama and the other families the port runs) locally: random weights from
+a seed, and a tokenizer trained on the spot with `tokenizers`, so the directory looks exactly like a hub model,
+with nothing downloaded. For the demo, tests and benchmarks. Needs the `[torch]` extra.
 """
 
 from __future__ import annotations
@@ -41,23 +41,25 @@ TINY_CONFIG: dict[str, Any] = {
 }
 
 
-def build_tiny_llama(out_dir: str | Path, config: Mapping[str, Any] | None = None, *, seed: int = 0,
+def build_tiny_model(out_dir: str | Path, config: Mapping[str, Any] | None = None, *, seed: int = 0,
                      dtype: str = "float32", weights: str = "safetensors", max_shard_size: str | int | None = None,
                      tokenizer: bool = True) -> Path:
-    """Write a `LlamaForCausalLM` with seeded random weights to `out_dir` as `save_pretrained` does.
+    """Write a causal LM with seeded random weights to `out_dir` as `save_pretrained` does: TINY_CONFIG updated
+    by `config`, of the family its `model_type` names (transformers' own class: LlamaForCausalLM,
+    Qwen3ForCausalLM, ...).
 
     `weights`: "safetensors" (transformers' own writer, sharded when `max_shard_size` is given) or "bin"
     (torch pickles, as older hub repos ship them). Returns `out_dir`.
     """
     import torch
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    hf_config = HFLlamaConfig(**{**TINY_CONFIG, **(config or {})})
-    model = LlamaForCausalLM(hf_config).to(getattr(torch, dtype)).eval()
+    fields = {**TINY_CONFIG, **(config or {})}
+    hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    model = AutoModelForCausalLM.from_config(hf_config).to(getattr(torch, dtype)).eval()
     if weights == "safetensors":
         model.save_pretrained(out, max_shard_size=max_shard_size or "50GB")
     elif weights == "bin":

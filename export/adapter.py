@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from export.merge import merge_base_for, save_merged
-from finetune.run.reading import load_run, read_base_source, read_run_config
+from finetune.run.reading import load_run, read_base_source, read_run_config, run_model_config
 from jaxmodel.formats.checkpoint import MANIFEST, checkpoint_quantization, read_manifest, source_reference
 from jaxmodel.formats.markers import ADAPTER, HF_CHECKPOINT
 from jaxmodel.formats.output_dir import check_output_dir
@@ -69,8 +69,8 @@ def export_adapter(run_dir: str | Path, out: str | Path, *, step: int | None = N
     name, revision = base_reference(run_dir, base_model, note)
     card = {"training steps": step, "learning rate": config.lr, "sequence length": config.seq_len,
             "base quantization in training": base_weights(config.model)}
-    save_peft_adapter(target, lora, config.lora_config(), base_model=name, revision=revision, dtype=dtype,
-                      card=card)
+    save_peft_adapter(target, lora, config.lora_config(), model_config=run_model_config(run_dir),
+                      base_model=name, revision=revision, dtype=dtype, card=card)
     return Path(out), step, config.lora_config()
 
 

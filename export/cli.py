@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from export.adapter import check_export_targets, export_adapter, export_merged
     from export.merge import parse_size
     from export.serving_limits import serving_warnings
+    from finetune.run.reading import run_model_config
     from jaxmodel.errors import UserError, report
 
     notes: list[str] = []
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             out, step, lora = export_adapter(args.run, args.out, step=args.step, dtype=args.dtype,
                                              base_model=args.base_model, overwrite=args.overwrite, note=note)
             print(f"exported the LoRA adapters of step {step} (r={lora.rank}, alpha={lora.alpha:g}) -> {out}")
-            for warning in serving_warnings(lora):
+            for warning in serving_warnings(lora, run_model_config(args.run)):
                 print(f"export-peft: warning: {warning}", file=sys.stderr)
         if args.merge:
             merged, step = export_merged(args.run, args.merge, step=args.step, max_shard_size=shard_size,

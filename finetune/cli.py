@@ -1,4 +1,4 @@
-"""`finetune-lora`: LoRA fine-tuning of a converted Llama on a device mesh."""
+"""`finetune-lora`: LoRA fine-tuning of a converted checkpoint on a device mesh."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import sys
 from finetune.config import load_config
 from jaxmodel.errors import UserError, report
 
-DESCRIPTION = """LoRA fine-tuning of a converted Llama 3.x checkpoint on a (dp, fsdp, cp, mp) device mesh.
+DESCRIPTION = """LoRA fine-tuning of a converted checkpoint (Llama 3.x, Mistral, Qwen2/2.5, Qwen3) on a (dp, fsdp, cp, mp)
+device mesh.
 
   finetune-lora --model CONVERTED_DIR --data train.jsonl --out RUN_DIR [--mesh dp=1,fsdp=8,mp=1] ...
   finetune-lora --plan --model-config config.json --mesh dp=1,fsdp=8,mp=1 --batch-size 16 --seq-len 64

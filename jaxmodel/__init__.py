@@ -1,4 +1,5 @@
-"""Flax NNX port of HuggingFace's Llama 3.x, numerically equal to transformers' LlamaForCausalLM.
+"""Flax NNX port of HuggingFace's Llama 3.x, Mistral, Qwen2/2.5 and Qwen3 (`jaxmodel.families`), numerically equal
+to transformers' classes of each.
 
     from jaxmodel import load_pretrained, generate, LoraConfig, apply_lora
     model = load_pretrained("converted/llama-3.2-1b")            # a convert-llama output directory

@@ -6,10 +6,11 @@ per kv head, h head_dim. Query head j uses kv head j // r, as transformers' repe
 repeats K/V: the r query heads of a kv head and the query positions form one row axis (`q` rows), so
 attention is batched matmuls over (batch, kv head).
 
-The mask: key j is visible to query i iff `j <= q_offset + i` (keys indexed from 0) and either
-`mask_bts[b, i, j]` (a dense mask, plain path only) or `q_segment_ids[b, i] == kv_segment_ids[b, j] != 0`
-(segment 0 is padding). A query that sees no key (padding) gets zeros and passes no gradient in the
-blockwise path, and the mean of all values in the plain one.
+The mask: key j is visible to query i iff `j <= q_offset + i` (keys indexed from 0), with a sliding
+`window` also `q_offset + i - j < window` (the query and the `window - 1` keys before it, as transformers'
+sliding-window layers), and either `mask_bts[b, i, j]` (a dense mask, plain path only) or
+`q_segment_ids[b, i] == kv_segment_ids[b, j] != 0` (segment 0 is padding). A query that sees no key (padding)
+gets zeros and passes no gradient in the blockwise path, and the mean of all values in the plain one.
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ _NEG = float(jnp.finfo(jnp.float32).min)
 
 def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *, q_segment_ids: jax.Array | None = None,
               kv_segment_ids: jax.Array | None = None, q_offset: int | jax.Array = 0,
-              mask_bts: jax.Array | None = None, impl: str = "xla", dtype=None, block_q: int | None = None,
-              block_kv: int | None = None) -> jax.Array:
+              mask_bts: jax.Array | None = None, window: int | jax.Array | None = None, impl: str = "xla",
+              dtype=None, block_q: int | None = None, block_kv: int | None = None) -> jax.Array:
     """Causal attention `[b, t, n, h]` by `impl`: "xla" (dense scores) or "blockwise" (memory O(t)).
 
-    `mask_bts` replaces the segment ids (plain path only). `dtype` (default q's) is the compute dtype.
+    `mask_bts` replaces the segment ids (plain path only). `window` (None: none) may be traced. `dtype`
+    (default q's) is the compute dtype.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {list(ATTENTION_IMPLS)}, got {impl!r}")
@@ -52,20 +54,20 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *, q_segm
         if mask_bts is not None:
             raise ValueError("blockwise attention takes segment ids, not a dense mask_bts")
         return blockwise_attention(q_btnh, k_bskh, v_bskh, q_segment_ids=q_segment_ids,
-                                   kv_segment_ids=kv_segment_ids, q_offset=q_offset, dtype=dtype,
+                                   kv_segment_ids=kv_segment_ids, q_offset=q_offset, window=window, dtype=dtype,
                                    block_q=block_q, block_kv=block_kv)
     b, t, s = q_btnh.shape[0], q_btnh.shape[1], k_bskh.shape[1]
     visible_bts = dense_mask(b, t, s, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                             q_offset=q_offset, mask_bts=mask_bts)
+                             q_offset=q_offset, mask_bts=mask_bts, window=window)
     # Query blocks may drop the keys after their end only when those are hidden by index from query 0 on.
     aligned = isinstance(q_offset, int) and q_offset == 0 and t == s
     return xla_attention(q_btnh, k_bskh, v_bskh, visible_bts, dtype=dtype, causal_blocks=aligned)
 
 
 def dense_mask(b: int, t: int, s: int, *, q_segment_ids=None, kv_segment_ids=None, q_offset=0,
-               mask_bts=None) -> jax.Array:
+               mask_bts=None, window=None) -> jax.Array:
     """The boolean `[b, t, s]` mask of the module docstring."""
-    causal_ts = jnp.arange(s)[None, :] <= q_offset + jnp.arange(t)[:, None]
+    causal_ts = _visible_by_index(jnp.arange(t), jnp.arange(s), q_offset, window)
     visible_bts = jnp.broadcast_to(causal_ts, (b, t, s))
     if mask_bts is not None:
         return visible_bts & mask_bts
@@ -74,6 +76,13 @@ def dense_mask(b: int, t: int, s: int, *, q_segment_ids=None, kv_segment_ids=Non
     q_seg_bt, kv_seg_bs = _segments_or_ones(q_segment_ids, kv_segment_ids, b, t, s)
     same_bts = q_seg_bt[:, :, None] == kv_seg_bs[:, None, :]
     return visible_bts & same_bts & (kv_seg_bs != 0)[:, None, :]
+
+
+def _visible_by_index(q_index, kv_index, q_offset, window):
+    """`[t, s]`: key index `kv_index[j]` visible to query index `q_offset + q_index[i]` by causality and the window."""
+    distance_ts = q_offset + q_index[:, None] - kv_index[None, :]
+    visible_ts = distance_ts >= 0
+    return visible_ts if window is None else visible_ts & (distance_ts < window)
 
 
 def _segments_or_ones(q_segment_ids, kv_segment_ids, b: int, t: int, s: int):
@@ -164,11 +173,11 @@ _probabilities.defvjp(_probabilities_fwd, _probabilities_bwd)
 
 def blockwise_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
                         q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
-                        q_offset: int | jax.Array = 0, dtype=None, block_q: int | None = None,
-                        block_kv: int | None = None) -> jax.Array:
+                        q_offset: int | jax.Array = 0, window: int | jax.Array | None = None, dtype=None,
+                        block_q: int | None = None, block_kv: int | None = None) -> jax.Array:
     """Attention `[b, t, n, h]` computed `block_q` query positions by `block_kv` keys at a time (default
     BLOCK_Q, BLOCK_KV), keeping only the output and per-row log-sum-exp; key blocks wholly after a query
-    block are never computed."""
+    block, or wholly before its window, are never computed."""
     dtype = q_btnh.dtype if dtype is None else dtype
     b, t, n, h = q_btnh.shape
     s, k = k_bskh.shape[1], k_bskh.shape[2]
@@ -187,7 +196,9 @@ def blockwise_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
     v_mbksh = v_bskh.reshape(b, nk, bk, k, h).transpose(1, 0, 3, 2, 4)
     q_seg_nbt = q_seg_bt.reshape(b, nq, bq).transpose(1, 0, 2)
     kv_seg_mbs = kv_seg_bs.reshape(b, nk, bk).transpose(1, 0, 2)
-    out_nbkqh = _flash(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, jnp.asarray(q_offset, jnp.int32), t)
+    # No window: one wider than every key distance, so that one set of block ranges serves both.
+    window = jnp.asarray(nk * bk + q_offset + 1 if window is None else window, jnp.int32)
+    out_nbkqh = _flash(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, jnp.asarray(q_offset, jnp.int32), window, t)
     out_btnh = out_nbkqh.reshape(nq, b, k, bq, r, h).transpose(1, 0, 3, 2, 4, 5).reshape(b, nq * bq, n, h)
     return out_btnh[:, :t]
 
@@ -196,23 +207,29 @@ def _pad_axis1(x, size: int):
     return jnp.pad(x, [(0, 0), (0, size - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
-def _block_ranges(q_offset, nq: int, bq: int, nk: int, bk: int, q_len: int):
-    """Key blocks `[0, kv_count_n[i])` for query block i and query blocks `[q_start_m[j], nq)` for key
-    block j: both from one test (the block's first key is visible to its last query), so the forward and
+def _block_ranges(q_offset, window, nq: int, bq: int, nk: int, bk: int, q_len: int):
+    """Key blocks `[kv_start_n[i], kv_count_n[i])` for query block i and query blocks `[q_start_m[j], q_end_m[j])`
+    for key block j, from two tests shared by both (the block's first key is not after the query block's last
+    query; its last key is within the window of the query block's first query), so that the forward and
     backward passes skip the same blocks."""
+    first_query_n = q_offset + jnp.arange(nq) * bq
     last_query_n = q_offset + jnp.minimum((jnp.arange(nq) + 1) * bq, q_len) - 1  # a key index limit
     kv_count_n = jnp.clip(last_query_n // bk + 1, 0, nk)
+    kv_start_n = jnp.clip((first_query_n - window + 1) // bk, 0, nk)
     first_key_m = jnp.arange(nk) * bk
+    last_key_m = first_key_m + bk - 1
     q_start_m = jnp.sum(last_query_n[None, :] < first_key_m[:, None], axis=1)
-    return kv_count_n.astype(jnp.int32), q_start_m.astype(jnp.int32)
+    q_end_m = jnp.sum(first_query_n[None, :] - window + 1 <= last_key_m[:, None], axis=1)
+    return (kv_start_n.astype(jnp.int32), kv_count_n.astype(jnp.int32), q_start_m.astype(jnp.int32),
+            q_end_m.astype(jnp.int32))
 
 
-def _masked_scores(q_bkqh, k_bksh, q_seg_bt, kv_seg_bs, i, j, q_offset):
+def _masked_scores(q_bkqh, k_bksh, q_seg_bt, kv_seg_bs, i, j, q_offset, window):
     """float32 scores `[b, k, q, s]` of query block i against key block j, hidden keys set to NEG."""
     b, k, rows, h = q_bkqh.shape
     bq, bk = q_seg_bt.shape[1], kv_seg_bs.shape[1]
     scores_bkqs = jnp.einsum("bkqh,bksh->bkqs", q_bkqh, k_bksh, preferred_element_type=jnp.float32) * (h ** -0.5)
-    causal_ts = j * bk + jnp.arange(bk)[None, :] <= q_offset + i * bq + jnp.arange(bq)[:, None]
+    causal_ts = _visible_by_index(i * bq + jnp.arange(bq), j * bk + jnp.arange(bk), q_offset, window)
     visible_bts = (q_seg_bt[:, :, None] == kv_seg_bs[:, None, :]) & (kv_seg_bs != 0)[:, None, :] & causal_ts
     # The mask is per position; the rows (t, r) of a kv head share it.
     scores_bktrs = scores_bkqs.reshape(b, k, bq, rows // bq, bk)
@@ -220,19 +237,19 @@ def _masked_scores(q_bkqh, k_bksh, q_seg_bt, kv_seg_bs, i, j, q_offset):
     return scores_bktrs.reshape(b, k, rows, bk)
 
 
-def _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, q_len: int):
+def _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, q_len: int):
     """Online softmax over key blocks: output `[nq, b, k, q, h]` and float32 log-sum-exp `[nq, b, k, q]`."""
     nq, b, k, rows, h = q_nbkqh.shape
     nk, bq, bk = k_mbksh.shape[0], q_seg_nbt.shape[2], k_mbksh.shape[3]
     dtype = q_nbkqh.dtype
-    kv_count_n, _ = _block_ranges(q_offset, nq, bq, nk, bk, q_len)
+    kv_start_n, kv_count_n, _, _ = _block_ranges(q_offset, window, nq, bq, nk, bk, q_len)
 
     def query_block(_, xs):
-        q_bkqh, q_seg_bt, kv_count, i = xs
+        q_bkqh, q_seg_bt, kv_start, kv_count, i = xs
 
         def key_block(j, carry):
             max_bkq, sum_bkq, acc_bkqh = carry
-            scores_bkqs = _masked_scores(q_bkqh, k_mbksh[j], q_seg_bt, kv_seg_mbs[j], i, j, q_offset)
+            scores_bkqs = _masked_scores(q_bkqh, k_mbksh[j], q_seg_bt, kv_seg_mbs[j], i, j, q_offset, window)
             new_max_bkq = jnp.maximum(max_bkq, scores_bkqs.max(axis=-1))
             # A row with no visible key yet is shifted by 0, not NEG, so that its exp(NEG - shift) is 0.
             shift_bkq = jnp.where(new_max_bkq == _NEG, 0.0, new_max_bkq)
@@ -245,7 +262,7 @@ def _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, q
 
         init = (jnp.full((b, k, rows), _NEG, jnp.float32), jnp.zeros((b, k, rows), jnp.float32),
                 jnp.zeros((b, k, rows, h), jnp.float32))
-        max_bkq, sum_bkq, acc_bkqh = jax.lax.fori_loop(0, kv_count, key_block, init)
+        max_bkq, sum_bkq, acc_bkqh = jax.lax.fori_loop(kv_start, kv_count, key_block, init)
         # A row that sees no key (padding) has sum 0: output 0, and log-sum-exp 0, so that the backward's
         # exp(NEG - 0) makes its probabilities 0 as well.
         seen_bkq = sum_bkq > 0
@@ -254,28 +271,29 @@ def _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, q
         lse_bkq = jnp.where(seen_bkq, max_bkq + jnp.log(safe_sum_bkq), 0.0)
         return None, (out_bkqh, lse_bkq)
 
-    _, (out_nbkqh, lse_nbkq) = jax.lax.scan(query_block, None, (q_nbkqh, q_seg_nbt, kv_count_n, jnp.arange(nq)))
+    _, (out_nbkqh, lse_nbkq) = jax.lax.scan(query_block, None,
+                                            (q_nbkqh, q_seg_nbt, kv_start_n, kv_count_n, jnp.arange(nq)))
     return out_nbkqh, lse_nbkq
 
 
 def _flash_backward(q_len: int, residuals, dout_nbkqh):
     """FlashAttention-2's backward: per key block, the query blocks that see it recompute their scores."""
-    q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, out_nbkqh, lse_nbkq = residuals
+    q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, out_nbkqh, lse_nbkq = residuals
     nq, b, k, rows, h = q_nbkqh.shape
     nk, bq, bk = k_mbksh.shape[0], q_seg_nbt.shape[2], k_mbksh.shape[3]
     dtype, scale = q_nbkqh.dtype, h ** -0.5
-    _, q_start_m = _block_ranges(q_offset, nq, bq, nk, bk, q_len)
+    _, _, q_start_m, q_end_m = _block_ranges(q_offset, window, nq, bq, nk, bk, q_len)
     dout_nbkqh = dout_nbkqh.astype(dtype)
     # D = rowsum(dO * O) = sum_j P_ij dP_ij, the softmax backward's row term.
     delta_nbkq = jnp.sum(dout_nbkqh.astype(jnp.float32) * out_nbkqh.astype(jnp.float32), axis=-1)
 
     def key_block(dq_nbkqh, xs):
-        k_bksh, v_bksh, kv_seg_bs, q_start, j = xs
+        k_bksh, v_bksh, kv_seg_bs, q_start, q_end, j = xs
 
         def query_block(i, carry):
             dq_nbkqh, dk_bksh, dv_bksh = carry
             q_bkqh, dout_bkqh = q_nbkqh[i], dout_nbkqh[i]
-            scores_bkqs = _masked_scores(q_bkqh, k_bksh, q_seg_nbt[i], kv_seg_bs, i, j, q_offset)
+            scores_bkqs = _masked_scores(q_bkqh, k_bksh, q_seg_nbt[i], kv_seg_bs, i, j, q_offset, window)
             p_bkqs = jnp.exp(scores_bkqs - lse_nbkq[i][..., None])
             dv_bksh += gradient_einsum("bkqs,bkqh->bksh", p_bkqs.astype(dtype), dout_bkqh)
             dp_bkqs = jnp.einsum("bkqh,bksh->bkqs", dout_bkqh, v_bksh, preferred_element_type=jnp.float32)
@@ -285,24 +303,25 @@ def _flash_backward(q_len: int, residuals, dout_nbkqh):
             return dq_nbkqh.at[i].add(dq_bkqh), dk_bksh, dv_bksh
 
         zeros_bksh = jnp.zeros(k_bksh.shape, jnp.float32)
-        dq_nbkqh, dk_bksh, dv_bksh = jax.lax.fori_loop(q_start, nq, query_block, (dq_nbkqh, zeros_bksh, zeros_bksh))
+        dq_nbkqh, dk_bksh, dv_bksh = jax.lax.fori_loop(q_start, q_end, query_block,
+                                                       (dq_nbkqh, zeros_bksh, zeros_bksh))
         return dq_nbkqh, (dk_bksh, dv_bksh)
 
     dq_nbkqh = jnp.zeros(q_nbkqh.shape, jnp.float32)
     dq_nbkqh, (dk_mbksh, dv_mbksh) = jax.lax.scan(
-        key_block, dq_nbkqh, (k_mbksh, v_mbksh, kv_seg_mbs, q_start_m, jnp.arange(nk)))
+        key_block, dq_nbkqh, (k_mbksh, v_mbksh, kv_seg_mbs, q_start_m, q_end_m, jnp.arange(nk)))
     return (dq_nbkqh.astype(q_nbkqh.dtype), dk_mbksh.astype(k_mbksh.dtype), dv_mbksh.astype(v_mbksh.dtype),
-            None, None, None)
+            None, None, None, None)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _flash(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, q_len: int):
-    return _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, q_len)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, q_len: int):
+    return _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, q_len)[0]
 
 
-def _flash_fwd(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, q_len: int):
-    out_nbkqh, lse_nbkq = _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, q_len)
-    return out_nbkqh, (q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, out_nbkqh, lse_nbkq)
+def _flash_fwd(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, q_len: int):
+    out_nbkqh, lse_nbkq = _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, q_len)
+    return out_nbkqh, (q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, out_nbkqh, lse_nbkq)
 
 
 _flash.defvjp(_flash_fwd, _flash_backward)

@@ -1,4 +1,4 @@
-"""ModelConfig: the model's shape and numerics, read once from a HuggingFace config.json."""
+"""ModelConfig: the model's shape, numerics and family switches, read once from a HuggingFace config.json."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from jaxmodel.errors import UserError
+from jaxmodel.families import FAMILIES, Family
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
 class ConfigError(ValueError, UserError):
-    """A config.json that is not a Llama 3.x config we can run; the message names the file and field."""
+    """A config.json that is not a config of a family we can run; the message names the file and field."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,11 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    """The decoder's shape and its switches. `model_type` names the family (`jaxmodel.families`), which sets the
+    switches from its config.json: biases (`qkv_bias` on q, k and v, `o_bias` on o, `mlp_bias`), `qk_norm` (an
+    RMSNorm over head_dim on each query and key head before RoPE) and sliding-window attention (`sliding_window`
+    keys, on the layers `sliding_layers` marks; none when `sliding_layers` is empty)."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -42,8 +48,13 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope: RopeConfig = RopeConfig()
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    model_type: str = "llama"
+    qkv_bias: bool = False
+    o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -56,6 +67,22 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.model_type not in FAMILIES:
+            raise ConfigError(f"model_type={self.model_type!r}; supported: {', '.join(FAMILIES)}")
+        if self.sliding_layers and (len(self.sliding_layers) != self.num_hidden_layers or not self.sliding_window):
+            raise ConfigError(f"sliding_layers needs one flag per layer ({self.num_hidden_layers}) and a "
+                              f"positive sliding_window, got {len(self.sliding_layers)} and {self.sliding_window}")
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's attention window in keys (a query sees itself and the `window - 1` keys before it), 0 for
+        full causal attention."""
+        if not self.sliding_layers:
+            return (0,) * self.num_hidden_layers
+        return tuple(self.sliding_window if s else 0 for s in self.sliding_layers)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -67,7 +94,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, source: str | Path | Mapping[str, Any]) -> "ModelConfig":
-        """Read a HF Llama config: a dict, a config.json path, or a directory holding config.json.
+        """Read a HF config of a supported family: a dict, a config.json path, or a directory holding config.json.
 
         Accepts both dialects: legacy `rope_theta` + `rope_scaling`, and transformers 5 `rope_parameters`.
         """
@@ -79,7 +106,7 @@ class ModelConfig:
         try:
             text = path.read_text()
         except FileNotFoundError:
-            raise ConfigError(f"{path}: not found (expected a HuggingFace Llama config.json)") from None
+            raise ConfigError(f"{path}: not found (expected a HuggingFace config.json)") from None
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
@@ -89,7 +116,7 @@ class ModelConfig:
         return _parse(raw, where=str(path))
 
     def to_hf(self) -> dict[str, Any]:
-        """The config as a transformers 5 `config.json` dict (for tiny test models and merged exports)."""
+        """The config as a transformers 5 `config.json` dict of its family (for tiny test models and merged exports)."""
         rope: dict[str, Any] = {"rope_type": self.rope.type, "rope_theta": self.rope.theta}
         if self.rope.type == "llama3":
             rope.update(
@@ -100,8 +127,8 @@ class ModelConfig:
             )
         eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [self.family.architecture],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -113,8 +140,7 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "rope_parameters": rope,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "mlp_bias": self.mlp_bias,
+            **self.family.write(self),
             "hidden_act": "silu",
             "bos_token_id": self.bos_token_id,
             "eos_token_id": eos,
@@ -122,61 +148,70 @@ class ModelConfig:
         }
 
 
-def _parse(raw: dict[str, Any], where: str) -> ModelConfig:
-    def field(name: str, kind: type | tuple[type, ...], default: Any = dataclasses.MISSING) -> Any:
-        if name not in raw or raw[name] is None:
+class Fields:
+    """config.json's fields, read with their types checked; errors name the file (`where`) and the field."""
+
+    def __init__(self, raw: dict[str, Any], where: str):
+        self.raw, self.where = raw, where
+
+    def error(self, message: str) -> ConfigError:
+        return ConfigError(f"{self.where}: {message}")
+
+    def get(self, name: str, kind: type | tuple[type, ...], default: Any = dataclasses.MISSING) -> Any:
+        if name not in self.raw or self.raw[name] is None:
             if default is dataclasses.MISSING:
-                raise ConfigError(f"{where}: field '{name}' is missing")
+                raise self.error(f"field '{name}' is missing")
             return default
-        value = raw[name]
+        value = self.raw[name]
         ok = isinstance(value, kind) and not (isinstance(value, bool) and bool not in _as_tuple(kind))
         if not ok:
             names = " or ".join(k.__name__ for k in _as_tuple(kind))
-            raise ConfigError(f"{where}: field '{name}' must be {names}, got {value!r}")
+            raise self.error(f"field '{name}' must be {names}, got {value!r}")
         return value
 
-    def positive(name: str, default: Any = dataclasses.MISSING) -> int:
-        value = field(name, int, default)
+    def positive(self, name: str, default: Any = dataclasses.MISSING) -> int:
+        value = self.get(name, int, default)
         if value <= 0:
-            raise ConfigError(f"{where}: field '{name}' must be a positive integer, got {value!r}")
+            raise self.error(f"field '{name}' must be a positive integer, got {value!r}")
         return value
 
+
+def _parse(raw: dict[str, Any], where: str) -> ModelConfig:
+    fields = Fields(raw, where)
     model_type = raw.get("model_type")
-    if model_type != "llama":
-        raise ConfigError(f"{where}: field 'model_type' is {model_type!r}; only 'llama' is supported")
+    if model_type not in FAMILIES:
+        raise fields.error(f"field 'model_type' is {model_type!r}; supported: {', '.join(FAMILIES)}")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
-        raise ConfigError(f"{where}: field 'hidden_act' is {act!r}; Llama uses 'silu'")
+        raise fields.error(f"field 'hidden_act' is {act!r}; {model_type} uses 'silu'")
 
-    hidden = positive("hidden_size")
-    heads = positive("num_attention_heads")
-    kv_heads = positive("num_key_value_heads", heads)
+    hidden = fields.positive("hidden_size")
+    heads = fields.positive("num_attention_heads")
+    kv_heads = fields.positive("num_key_value_heads", heads)
     if heads % kv_heads:
-        raise ConfigError(
-            f"{where}: field 'num_key_value_heads' ({kv_heads}) must divide num_attention_heads ({heads})"
-        )
+        raise fields.error(f"field 'num_key_value_heads' ({kv_heads}) must divide num_attention_heads ({heads})")
     if hidden % heads and raw.get("head_dim") is None:
-        raise ConfigError(f"{where}: field 'head_dim' is missing and hidden_size is not a multiple of heads")
-    head_dim = positive("head_dim", hidden // heads)
-    eos = field("eos_token_id", (int, list), None)
-    return ModelConfig(
-        vocab_size=positive("vocab_size"),
+        raise fields.error("field 'head_dim' is missing and hidden_size is not a multiple of heads")
+    head_dim = fields.positive("head_dim", hidden // heads)
+    eos = fields.get("eos_token_id", (int, list), None)
+    values = dict(
+        vocab_size=fields.positive("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=positive("intermediate_size"),
-        num_hidden_layers=positive("num_hidden_layers"),
+        intermediate_size=fields.positive("intermediate_size"),
+        num_hidden_layers=fields.positive("num_hidden_layers"),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=positive("max_position_embeddings", 2048),
-        rms_norm_eps=float(field("rms_norm_eps", (int, float), 1e-6)),
+        max_position_embeddings=fields.positive("max_position_embeddings", 2048),
+        rms_norm_eps=float(fields.get("rms_norm_eps", (int, float), 1e-6)),
         rope=_parse_rope(raw, where),
-        tie_word_embeddings=field("tie_word_embeddings", bool, False),
-        attention_bias=field("attention_bias", bool, False),
-        mlp_bias=field("mlp_bias", bool, False),
-        bos_token_id=field("bos_token_id", int, None),
+        tie_word_embeddings=fields.get("tie_word_embeddings", bool, False),
+        model_type=model_type,
+        bos_token_id=fields.get("bos_token_id", int, None),
         eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-        pad_token_id=field("pad_token_id", int, None),
+        pad_token_id=fields.get("pad_token_id", int, None),
     )
+    return ModelConfig(**{**values, **FAMILIES[model_type].read(fields)})
 
 
 def _parse_rope(raw: dict[str, Any], where: str) -> RopeConfig:

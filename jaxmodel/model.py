@@ -1,4 +1,5 @@
-"""The Llama 3.x causal LM as Flax NNX modules, numerically transformers' LlamaForCausalLM.
+"""The decoder-only causal LM as Flax NNX modules, numerically transformers' class of each family
+(`jaxmodel.families`: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM).
 
 Shapes: b batch, t query positions, s key positions, d hidden, n query heads, k kv heads,
 r = n // k query heads per kv head, h head_dim, f intermediate, v vocab, l layers.
@@ -40,6 +41,10 @@ REMAT_POLICIES = {
 }
 
 
+# A layer without a sliding window attends within this many keys: every key (sequences stay far below it).
+FULL_WINDOW = 2**30
+
+
 def _split(key, n: int) -> list:
     """`n` independent keys from `key`, or `n` Nones when there is no key (no dropout)."""
     return [None] * n if key is None else list(jax.random.split(key, n))
@@ -56,22 +61,32 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, layers: int | None, dtype, param_dtype,
                  quantization: Quantization | None = None, rngs: nnx.Rngs):
         c = config
-        kw = dict(use_bias=c.attention_bias, layers=layers, dtype=dtype, param_dtype=param_dtype,
-                  quantization=quantization, rngs=rngs)
-        self.q_proj = Linear(c.hidden_size, c.num_attention_heads * c.head_dim, axes=("heads", "embed"), **kw)
-        self.k_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, axes=("kv_heads", "embed"), **kw)
-        self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, axes=("kv_heads", "embed"), **kw)
-        self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, axes=("embed", "heads"), **kw)
+        kw = dict(layers=layers, dtype=dtype, param_dtype=param_dtype, quantization=quantization, rngs=rngs)
+        qkv, o = dict(use_bias=c.qkv_bias, **kw), dict(use_bias=c.o_bias, **kw)
+        self.q_proj = Linear(c.hidden_size, c.num_attention_heads * c.head_dim, axes=("heads", "embed"), **qkv)
+        self.k_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, axes=("kv_heads", "embed"), **qkv)
+        self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, axes=("kv_heads", "embed"), **qkv)
+        self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, axes=("embed", "heads"), **o)
+        if c.qk_norm:  # one weight over head_dim, shared by every head
+            self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, layers=layers, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, layers=layers, param_dtype=param_dtype)
+        else:
+            self.q_norm = self.k_norm = None
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.dtype = dtype
 
     def __call__(self, x_btd, cos_bth, sin_bth, mask: dict, kv: tuple | None, cache_index, key=None):
-        """`mask`: keyword arguments of `jaxmodel.attention.attention` (implementation, mask, query offset)."""
+        """`mask`: keyword arguments of `jaxmodel.attention.attention` (implementation, mask, query offset,
+        window)."""
         b, t, _ = x_btd.shape
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
         keys = _split(key, 4)
-        q_btnh = apply_rope(self.q_proj(x_btd, keys[0]).reshape(b, t, n, h), cos_bth, sin_bth)
-        k_btkh = apply_rope(self.k_proj(x_btd, keys[1]).reshape(b, t, k, h), cos_bth, sin_bth)
+        q_btnh = self.q_proj(x_btd, keys[0]).reshape(b, t, n, h)
+        k_btkh = self.k_proj(x_btd, keys[1]).reshape(b, t, k, h)
+        if self.q_norm is not None:
+            q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
+        q_btnh = apply_rope(q_btnh, cos_bth, sin_bth)
+        k_btkh = apply_rope(k_btkh, cos_bth, sin_bth)
         v_btkh = self.v_proj(x_btd, keys[2]).reshape(b, t, k, h)
         if kv is not None:  # write this step's keys/values into the cache and attend over all of it
             k_btkh = jax.lax.dynamic_update_slice(kv[0], k_btkh.astype(kv[0].dtype), (0, cache_index, 0, 0))
@@ -139,13 +154,13 @@ class DecoderLayer(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    """Llama 3.x causal LM. Decoder layers are one stacked module run with `jax.lax.scan`, so compile
-    time does not grow with depth; `remat` names the rematerialisation policy of the scanned body and
-    `attention` the attention implementation without a cache: "xla" (dense scores) or "blockwise"
-    (memory linear in the sequence, `jaxmodel.attention.blockwise_attention`). `mlp_chunk` > 0 runs the
-    MLP over chunks of that many positions. Under a mesh with a `cp` axis the sequence is split over it
-    (`jaxmodel.context_parallel`). With `quantization`, the seven projections of every layer hold their
-    frozen weights quantized (`jaxmodel.quantization`); embeddings, norms and the LM head do not."""
+    """The causal LM of every family (`config.model_type`, with its switches). Decoder layers are one stacked
+    module run with `jax.lax.scan`, so compile time does not grow with depth; `remat` names the
+    rematerialisation policy of the scanned body and `attention` the attention implementation without a cache:
+    "xla" (dense scores) or "blockwise" (memory linear in the sequence, `jaxmodel.attention.blockwise_attention`).
+    `mlp_chunk` > 0 runs the MLP over chunks of that many positions. Under a mesh with a `cp` axis the sequence
+    is split over it (`jaxmodel.context_parallel`). With `quantization`, the seven projections of every layer
+    hold their frozen weights quantized (`jaxmodel.quantization`); embeddings, norms and the LM head do not."""
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
                  attention: str = "xla", mlp_chunk: int = 0, rules: Rules = DEFAULT_RULES,
@@ -267,12 +282,17 @@ class CausalLM(nnx.Module):
         frozen_bits = jax.tree.map(_as_bits, frozen_state)
 
         act = ("act_batch", "act_seq", "act_embed")
+        # Each layer's window, a scanned value, so that one layer body serves windowed and full layers; none at all
+        # (no mask term) when no layer has one.
+        windows = c.layer_windows()
+        window_xs = np.asarray([w or FULL_WINDOW for w in windows], np.int32) if any(windows) else None
 
         def layer_step(h_btd, xs):
-            (lora, frozen), kv, key = xs
+            (lora, frozen), kv, key, window = xs
             frozen = jax.tree.map(_from_bits, frozen, dtypes)
             h_btd = checkpoint_name(h_btd, "layer_input")
-            h_btd, kv = nnx.merge(graphdef, lora, frozen)(h_btd, cos_bth, sin_bth, mask, kv, cache_index, key,
+            layer_mask = mask if window is None else {**mask, "window": window}
+            h_btd, kv = nnx.merge(graphdef, lora, frozen)(h_btd, cos_bth, sin_bth, layer_mask, kv, cache_index, key,
                                                           self.mlp_chunk)
             return constrain(h_btd, act, self.rules), kv
 
@@ -281,7 +301,7 @@ class CausalLM(nnx.Module):
             layer_step = jax.checkpoint(layer_step, policy=policy, prevent_cse=False)
         kv_xs = None if cache is None else (cache.k, cache.v)
         layer_keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_hidden_layers)
-        h_btd, kv_ys = jax.lax.scan(layer_step, h_btd, ((lora_state, frozen_bits), kv_xs, layer_keys))
+        h_btd, kv_ys = jax.lax.scan(layer_step, h_btd, ((lora_state, frozen_bits), kv_xs, layer_keys, window_xs))
         return h_btd, (None if cache is None else KVCache(*kv_ys))
 
 

@@ -42,9 +42,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A small HF Llama directory (sharded safetensors, tokenizer) built once per session."""
-    from demo.tiny import build_tiny_llama
+    from demo.tiny import build_tiny_model
 
-    return build_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny", max_shard_size=200_000)
+    return build_tiny_model(tmp_path_factory.mktemp("hf") / "tiny", max_shard_size=200_000)
 
 
 @pytest.fixture(scope="session")
@@ -100,6 +100,20 @@ def write_jsonl(path, rows):
     """`rows` (dicts, or raw lines as strings) as a JSONL file at `path`; returns `path`."""
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
+
+
+def run_model(run_dir, converted_dir):
+    """The converted model with the LoRA adapters of a run's newest checkpoint."""
+    from flax import nnx
+
+    from finetune.run.reading import load_run
+    from jaxmodel import apply_lora, load_pretrained
+
+    lora, config, _ = load_run(run_dir)
+    model = load_pretrained(converted_dir)
+    apply_lora(model, config.lora_config(), rngs=nnx.Rngs(0))
+    nnx.update(model, lora)
+    return model
 
 
 def stderr_lines(text: str) -> list[str]:

@@ -59,3 +59,28 @@ def left_padded_batches(draw, max_short: int = 40) -> tuple[int, list[int]]:
     seq = draw(st.one_of(st.integers(2, max_short), st.sampled_from(BLOCKED_LENGTHS)))
     others = draw(st.lists(st.integers(1, seq), min_size=1, max_size=2))
     return seq, [seq, *others]
+
+
+@st.composite
+def family_configs(draw, model_type: str, max_layers: int = 3) -> dict:
+    """A transformers config dict of `model_type` ("llama", "mistral", "qwen2", "qwen3") with its own switches
+    drawn: Mistral's window on every layer or none; Qwen's windows honoured only with `use_sliding_window`, on the
+    layers from `max_window_layers` on; Qwen3's `attention_bias`. Windows short enough to bite on drawn lengths."""
+    base = draw(llama_configs(max_layers=max_layers))
+    if model_type == "llama":
+        return base
+    config = {k: v for k, v in base.items() if k not in ("attention_bias", "mlp_bias")}
+    config["model_type"] = model_type
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": draw(st.sampled_from([10000.0, 1e6]))}
+    window = draw(st.one_of(st.none(), st.integers(1, 40)))
+    if model_type == "mistral":
+        config["sliding_window"] = window
+    else:
+        config.update(use_sliding_window=window is not None, sliding_window=window or 4096,
+                      max_window_layers=draw(st.integers(0, config["num_hidden_layers"])))
+    if model_type == "qwen2":  # head_dim is hidden / heads there
+        config.pop("head_dim", None)
+        config["hidden_size"] = config["num_attention_heads"] * draw(st.sampled_from([4, 8, 16]))
+    if model_type == "qwen3":
+        config["attention_bias"] = draw(st.booleans())
+    return config

@@ -1,6 +1,7 @@
 """Attention: the blockwise path equals the plain one (outputs and q/k/v gradients, float32, 1e-5 of the
 largest entry) over drawn shapes, GQA ratios, block sizes, packed documents, padding and query offsets;
-padding rows give zeros and no gradient; key blocks after the diagonal are never computed; memory grows
+sliding windows; padding rows give zeros and no gradient; key blocks after the diagonal or before a window
+are never computed; memory grows
 linearly; it works under jit with a traced offset, in bf16, and with the batch sharded over 8 devices."""
 
 import re
@@ -57,6 +58,7 @@ def attention_cases(draw) -> dict:
         v=rng.normal(size=(b, s, kv_heads, h)).astype(np.float32),
         cotangent=rng.normal(size=(b, t, kv_heads * ratio, h)).astype(np.float32),
         q_seg=kv_seg_bs[:, q_offset:q_offset + t], kv_seg=kv_seg_bs, q_offset=q_offset,
+        window=draw(st.one_of(st.none(), st.integers(1, s))),
         block_q=draw(st.one_of(st.integers(1, 20), st.just(512))),
         block_kv=draw(st.one_of(st.integers(1, 20), st.just(512))))
 
@@ -65,7 +67,7 @@ def compiled_vjp(case: dict, impl: str, **kw):
     """A jitted `cotangent -> (output, (dq, dk, dv))` for the case's inputs."""
     def f(q, k, v):
         return attention(q, k, v, q_segment_ids=case["q_seg"], kv_segment_ids=case["kv_seg"],
-                         q_offset=case["q_offset"], impl=impl, **kw)
+                         q_offset=case["q_offset"], window=case["window"], impl=impl, **kw)
 
     @jax.jit
     def out_and_grads(cotangent):
@@ -75,12 +77,15 @@ def compiled_vjp(case: dict, impl: str, **kw):
     return lambda cotangent: jax.tree.map(np.asarray, out_and_grads(jnp.asarray(cotangent)))
 
 
-def numpy_attention(q_btnh, k_bskh, v_bskh, q_seg_bt, kv_seg_bs, q_offset) -> np.ndarray:
-    """float64, one head at a time, query head j on kv head j // r (transformers' repeat_kv)."""
+def numpy_attention(q_btnh, k_bskh, v_bskh, q_seg_bt, kv_seg_bs, q_offset, window=None) -> np.ndarray:
+    """float64, one head at a time, query head j on kv head j // r (transformers' repeat_kv); a key at most
+    `window - 1` positions before its query (transformers' sliding_window_overlay: kv_idx > q_idx - window)."""
     b, t, n, h = q_btnh.shape
     s, k = k_bskh.shape[1:3]
     out = np.zeros((b, t, n, h))
-    visible_bts = ((np.arange(s)[None, None, :] <= q_offset + np.arange(t)[None, :, None])
+    q_idx, kv_idx = q_offset + np.arange(t)[None, :, None], np.arange(s)[None, None, :]
+    in_window = True if window is None else kv_idx > q_idx - window
+    visible_bts = ((kv_idx <= q_idx) & in_window
                    & (q_seg_bt[:, :, None] == kv_seg_bs[:, None, :]) & (kv_seg_bs != 0)[:, None, :])
     for head in range(n):
         kv_head = head // (n // k)
@@ -100,8 +105,9 @@ def numpy_attention(q_btnh, k_bskh, v_bskh, q_seg_bt, kv_seg_bs, q_offset) -> np
 def test_plain_path_equals_numpy(case):
     """The reference itself, against an independent float64 computation, on real query rows."""
     out = attention(case["q"], case["k"], case["v"], q_segment_ids=case["q_seg"], kv_segment_ids=case["kv_seg"],
-                    q_offset=case["q_offset"], impl="xla")
-    expected = numpy_attention(case["q"], case["k"], case["v"], case["q_seg"], case["kv_seg"], case["q_offset"])
+                    q_offset=case["q_offset"], window=case["window"], impl="xla")
+    expected = numpy_attention(case["q"], case["k"], case["v"], case["q_seg"], case["kv_seg"], case["q_offset"],
+                               case["window"])
     real = case["q_seg"] != 0
     assert_close(np.asarray(out)[real], expected[real])
 
@@ -137,14 +143,14 @@ def visited_blocks(monkeypatch, case: dict, **kw) -> tuple[set, set]:
     tracing = {"pass": "forward"}  # which pass is being traced when the loop bodies call _masked_scores
     original = attention_module._masked_scores
 
-    def recording(q_bkqh, k_bksh, q_seg_bt, kv_seg_bs, i, j, q_offset):
+    def recording(q_bkqh, k_bksh, q_seg_bt, kv_seg_bs, i, j, q_offset, window):
         visits = seen[tracing["pass"]]
         jax.debug.callback(lambda i, j: visits.add((int(i), int(j))), i, j)
-        return original(q_bkqh, k_bksh, q_seg_bt, kv_seg_bs, i, j, q_offset)
+        return original(q_bkqh, k_bksh, q_seg_bt, kv_seg_bs, i, j, q_offset, window)
 
     monkeypatch.setattr(attention_module, "_masked_scores", recording)
     f = lambda q, k, v: blockwise_attention(q, k, v, q_segment_ids=case["q_seg"], kv_segment_ids=case["kv_seg"],
-                                            q_offset=case["q_offset"], **kw)
+                                            q_offset=case["q_offset"], window=case.get("window"), **kw)
     out, vjp = jax.vjp(f, case["q"], case["k"], case["v"])
     jax.block_until_ready(out)
     tracing["pass"] = "backward"
@@ -153,18 +159,25 @@ def visited_blocks(monkeypatch, case: dict, **kw) -> tuple[set, set]:
     return seen["forward"], seen["backward"]
 
 
-@pytest.mark.parametrize("t, s, q_offset, bq, bk", [(40, 40, 0, 8, 8), (37, 50, 0, 8, 5), (20, 64, 30, 7, 9),
-                                                    (9, 40, 0, 4, 16)])
+@pytest.mark.parametrize("t, s, q_offset, bq, bk, window", [
+    (40, 40, 0, 8, 8, None), (37, 50, 0, 8, 5, None), (20, 64, 30, 7, 9, None), (9, 40, 0, 4, 16, None),
+    (40, 40, 0, 8, 8, 8), (40, 40, 0, 8, 8, 9), (37, 50, 0, 8, 5, 12), (20, 64, 30, 7, 9, 1), (64, 64, 0, 8, 8, 20)])
 @pytest.mark.slow
-def test_key_blocks_after_the_diagonal_are_not_computed(monkeypatch, t, s, q_offset, bq, bk):
-    """Exactly the block pairs with a key visible (by index) to a query are computed, in both passes."""
+def test_key_blocks_outside_the_visible_range_are_not_computed(monkeypatch, t, s, q_offset, bq, bk, window):
+    """Exactly the block pairs with a key visible (by index: causal, and within the window) to a query are
+    computed, in both passes."""
     rng = np.random.default_rng(0)
     case = dict(q=rng.normal(size=(1, t, 2, 4)), k=rng.normal(size=(1, s, 1, 4)), v=rng.normal(size=(1, s, 1, 4)),
-                q_seg=np.ones((1, t), np.int32), kv_seg=np.ones((1, s), np.int32), q_offset=q_offset)
+                q_seg=np.ones((1, t), np.int32), kv_seg=np.ones((1, s), np.int32), q_offset=q_offset, window=window)
     forward, backward = visited_blocks(monkeypatch, case, block_q=bq, block_kv=bk)
     bq, bk = min(bq, t), min(bk, s)
-    needed = {(i, j) for i in range(-(-t // bq)) for j in range(-(-s // bk))
-              if j * bk <= q_offset + min((i + 1) * bq, t) - 1}
+    reach = s if window is None else window
+
+    def visible(i, j):  # some key of block j within the causal window of some query of block i
+        queries = range(q_offset + i * bq, q_offset + min((i + 1) * bq, t))
+        return any(0 <= q - key < reach for q in queries for key in range(j * bk, min((j + 1) * bk, s)))
+
+    needed = {(i, j) for i in range(-(-t // bq)) for j in range(-(-s // bk)) if visible(i, j)}
     assert forward == needed and backward == needed
     assert len(needed) < -(-t // bq) * -(-s // bk)  # some blocks are skipped in every case here
 

@@ -28,15 +28,18 @@ def test_cp_order_gives_each_device_an_early_and_a_late_chunk():
         cp_order(12, 4)
 
 
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory):
-    # short documents, packed several to a row of 32, so rows hold document boundaries and padding
+def write_packed_data(path):
+    """Short documents, packed several to a row of 32, so rows hold document boundaries and padding."""
     rng = np.random.default_rng(0)
     rows = [{"prompt": "please " * int(k) + f"add {a} + {b} =", "completion": f" {a + b}"}
             for a, b, k in rng.integers(0, 5, (48, 3)) * (8, 8, 1)]
-    path = tmp_path_factory.mktemp("data") / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return write_packed_data(tmp_path_factory.mktemp("data") / "train.jsonl")
 
 
 def grads_on(tiny_converted, data_file, out, mesh: str, devices, **options):

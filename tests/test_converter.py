@@ -16,10 +16,14 @@ from safetensors.numpy import load_file
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
 from converter import ConversionError, convert, verify
-from jaxmodel.formats.hf_names import hf_to_jax, jax_to_hf
-from demo.tiny import build_tiny_llama
+from jaxmodel.families import llama
+from jaxmodel.formats.hf_names import NameTable
+from demo.tiny import build_tiny_model
 from jaxmodel import load_pretrained
 from jaxmodel.formats.checkpoint import MANIFEST, CheckpointError
+
+LLAMA_NAMES = NameTable(llama.MODULES)
+hf_to_jax, jax_to_hf = LLAMA_NAMES.hf_to_jax, LLAMA_NAMES.jax_to_hf
 
 SMALL = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 8}
@@ -64,7 +68,7 @@ def logits_match(hf_dir: Path, out: Path) -> float:
 
 
 def test_single_file_safetensors(tmp_path):
-    src = build_tiny_llama(tmp_path / "hf", SMALL, tokenizer=False)
+    src = build_tiny_model(tmp_path / "hf", SMALL, tokenizer=False)
     assert (src / "model.safetensors").is_file()
     summary = convert(src, tmp_path / "out", progress=False)
     assert summary.tensors == len(hf_state(src)) and summary.bytes > 0
@@ -82,22 +86,22 @@ def test_sharded_safetensors_with_index_and_aux_files(tiny_checkpoint, tiny_conv
 
 @pytest.mark.parametrize("shard", [None, 40_000])
 def test_torch_bin_checkpoints(tmp_path, shard):
-    src = build_tiny_llama(tmp_path / "hf", SMALL, weights="bin", max_shard_size=shard, tokenizer=False)
+    src = build_tiny_model(tmp_path / "hf", SMALL, weights="bin", max_shard_size=shard, tokenizer=False)
     assert (src / ("pytorch_model.bin" if shard is None else "pytorch_model.bin.index.json")).is_file()
     convert(src, tmp_path / "out", progress=False)
-    reference = build_tiny_llama(tmp_path / "ref", SMALL, tokenizer=False)  # same seed, safetensors
+    reference = build_tiny_model(tmp_path / "ref", SMALL, tokenizer=False)  # same seed, safetensors
     assert_matches_hf(tmp_path / "out", hf_state(reference))
 
 
 def test_tied_embeddings_store_no_head(tmp_path):
-    src = build_tiny_llama(tmp_path / "hf", {**SMALL, "tie_word_embeddings": True}, tokenizer=False)
+    src = build_tiny_model(tmp_path / "hf", {**SMALL, "tie_word_embeddings": True}, tokenizer=False)
     convert(src, tmp_path / "out", progress=False)
     assert "lm_head.weight" not in stored(tmp_path / "out")
     assert logits_match(src, tmp_path / "out") < 1e-5
 
 
 def test_legacy_config_dialect(tmp_path):
-    src = build_tiny_llama(tmp_path / "hf", SMALL, tokenizer=False)
+    src = build_tiny_model(tmp_path / "hf", SMALL, tokenizer=False)
     config = json.loads((src / "config.json").read_text())
     rope = config.pop("rope_parameters")
     config["rope_theta"] = rope.pop("rope_theta")
@@ -110,7 +114,7 @@ def test_legacy_config_dialect(tmp_path):
 
 @pytest.mark.parametrize("dtype, np_dtype", [("bfloat16", ml_dtypes.bfloat16), ("float16", np.float16)])
 def test_dtype_cast_rounds_like_torch(tmp_path, dtype, np_dtype):
-    src = build_tiny_llama(tmp_path / "hf", SMALL, tokenizer=False)
+    src = build_tiny_model(tmp_path / "hf", SMALL, tokenizer=False)
     convert(src, tmp_path / "out", dtype=dtype, progress=False)
     torch_dtype = getattr(torch, dtype)
     model = HFLlamaForCausalLM.from_pretrained(src, dtype=torch.float32)
@@ -124,7 +128,7 @@ def test_dtype_cast_rounds_like_torch(tmp_path, dtype, np_dtype):
 
 
 def test_keep_preserves_a_bf16_source_bit_for_bit(tmp_path):
-    src = build_tiny_llama(tmp_path / "hf", SMALL, dtype="bfloat16", tokenizer=False)
+    src = build_tiny_model(tmp_path / "hf", SMALL, dtype="bfloat16", tokenizer=False)
     convert(src, tmp_path / "out", progress=False)
     tensors = stored(tmp_path / "out")
     assert {t.dtype for t in tensors.values()} == {np.dtype(ml_dtypes.bfloat16)}
@@ -258,7 +262,7 @@ def test_safetensors_conversion_needs_no_torch(tmp_path, tiny_checkpoint):
 
 
 def test_bin_checkpoint_without_torch_is_a_clear_error(tmp_path):
-    src = build_tiny_llama(tmp_path / "hf", SMALL, weights="bin", tokenizer=False)
+    src = build_tiny_model(tmp_path / "hf", SMALL, weights="bin", tokenizer=False)
     result = run_without(("torch",), (
         "from converter.cli import main\n"
         f"sys.exit(main(['--src', {str(src)!r}, '--out', {str(tmp_path / 'out')!r}]))\n"

@@ -56,7 +56,11 @@ def bump(key, by):
 @pytest.mark.parametrize("edit, needles", [
     (bump("intermediate_size", 8), ("mlp.", "has shape", "config.json implies")),  # shape disagrees with config
     (bump("num_hidden_layers", 1), ("missing tensor 'model.layers.2.", "config.json implies")),  # missing tensor
-    (lambda c: {**c, "model_type": "mistral"}, ("config.json", "'model_type'", "'mistral'", "only 'llama'")),
+    (lambda c: {**c, "model_type": "gpt_neox"}, ("config.json", "'model_type'", "'gpt_neox'",
+                                                 "supported: llama, mistral, qwen2, qwen3")),
+    # a Llama checkpoint labelled Qwen3: the head norms Qwen3 implies are missing
+    (lambda c: {**c, "model_type": "qwen3"}, ("missing tensor 'model.layers.0.self_attn.k_norm.weight'",
+                                              "config.json implies")),
     (lambda c: {**c, "num_attention_heads": "four"}, ("config.json", "'num_attention_heads'", "must be int")),
     (lambda c: {**c, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
      ("rope_parameters.rope_type", "'yarn'", "default, llama3")),
@@ -112,6 +116,7 @@ def test_the_installed_command_exits_nonzero_with_one_line(tmp_path, src):
                              str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
-        f"convert-llama: error: {src / 'config.json'}: field 'model_type' is 'gpt2'; only 'llama' is supported"
+        f"convert-llama: error: {src / 'config.json'}: field 'model_type' is 'gpt2'; supported: llama, mistral, qwen2, "
+        "qwen3"
     ]
     assert not (tmp_path / "out").exists()

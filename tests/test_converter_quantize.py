@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 
 from converter import ConversionError, convert, verify
 from converter.cli import main
-from demo.tiny import build_tiny_llama
+from demo.tiny import build_tiny_model
 from jaxmodel import load_pretrained
 from jaxmodel.formats.checkpoint import MANIFEST, CheckpointError, read_manifest
 from jaxmodel.layers import QuantizedParam
@@ -182,7 +182,7 @@ def assert_refused(code: int, err: str, tmp_path, *needles: str, exit_code: int 
 
 
 def test_block_that_does_not_divide_an_input_dimension(capsys, tmp_path):
-    src = build_tiny_llama(tmp_path / "src", {**SMALL, "intermediate_size": 48}, tokenizer=False)
+    src = build_tiny_model(tmp_path / "src", {**SMALL, "intermediate_size": 48}, tokenizer=False)
     capsys.readouterr()  # transformers' progress bar
     code, err = run(capsys, "--src", str(src), "--out", str(tmp_path / "out"), "--quantize", "nf4",
                     "--quant-block", "32")  # divides hidden 32, not intermediate 48

@@ -15,8 +15,9 @@ from peft import PeftModel, get_peft_model
 from safetensors.numpy import load_file
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
+from conftest import run_model
 from converter import convert
-from demo.tiny import build_tiny_llama
+from demo.tiny import build_tiny_model
 from export.cli import main as export_main
 from jaxmodel.formats.peft_adapter import AdapterError, load_peft_adapter, save_peft_adapter
 from finetune.config import TrainConfig
@@ -77,7 +78,7 @@ def test_peft_serves_our_adapter_with_identical_outputs(tmp_path, tiny_checkpoin
     model = jax_lora_model(tiny_converted, lora_config)
     assert_every_matrix_differs(model)
     adapter = save_peft_adapter(tmp_path / "adapter", nnx.state(model, LoRAParam), lora_config,
-                                base_model=str(tiny_checkpoint))
+                                model_config=model.config, base_model=str(tiny_checkpoint))
     ours = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
     theirs, plain, messages = peft_logits(tiny_checkpoint, adapter)
     assert not any("missing" in m.lower() for m in messages), messages
@@ -88,7 +89,8 @@ def test_peft_serves_our_adapter_with_identical_outputs(tmp_path, tiny_checkpoin
 def test_keys_and_shapes_equal_what_peft_saves(tmp_path, tiny_checkpoint, tiny_converted):
     lora_config = LoraConfig(rank=8, alpha=16.0)
     model = jax_lora_model(tiny_converted, lora_config)
-    save_peft_adapter(tmp_path / "ours", nnx.state(model, LoRAParam), lora_config, base_model="x")
+    save_peft_adapter(tmp_path / "ours", nnx.state(model, LoRAParam), lora_config,
+                      model_config=model.config, base_model="x")
     hf = HFLlamaForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
     get_peft_model(hf, PeftLoraConfig(r=8, lora_alpha=16, target_modules=list(ALL_TARGETS),
                                       task_type="CAUSAL_LM")).save_pretrained(tmp_path / "theirs")
@@ -106,15 +108,17 @@ def test_keys_and_shapes_equal_what_peft_saves(tmp_path, tiny_checkpoint, tiny_c
 
 
 def test_tied_embeddings_and_bf16_export(tmp_path):
-    hf_dir = build_tiny_llama(tmp_path / "hf", {"tie_word_embeddings": True}, tokenizer=False)
+    hf_dir = build_tiny_model(tmp_path / "hf", {"tie_word_embeddings": True}, tokenizer=False)
     convert(hf_dir, tmp_path / "jax", progress=False)
     lora_config = LoraConfig()
     model = jax_lora_model(tmp_path / "jax", lora_config)
     ours = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
-    f32 = save_peft_adapter(tmp_path / "f32", nnx.state(model, LoRAParam), lora_config, base_model=str(hf_dir))
+    f32 = save_peft_adapter(tmp_path / "f32", nnx.state(model, LoRAParam), lora_config,
+                            model_config=model.config, base_model=str(hf_dir))
     theirs, _, _ = peft_logits(hf_dir, f32)
     assert np.abs(ours - theirs).max() <= tolerance(theirs, 1e-5)
-    bf16 = save_peft_adapter(tmp_path / "bf16", nnx.state(model, LoRAParam), lora_config, base_model=str(hf_dir),
+    bf16 = save_peft_adapter(tmp_path / "bf16", nnx.state(model, LoRAParam), lora_config,
+                             model_config=model.config, base_model=str(hf_dir),
                              dtype="bfloat16")
     exported, exported_f32 = load_file(bf16 / "adapter_model.safetensors"), load_file(f32 / "adapter_model.safetensors")
     assert {str(v.dtype) for v in exported.values()} == {"bfloat16"}
@@ -139,7 +143,8 @@ def test_round_trip_peft_to_jax_to_peft_is_exact(tmp_path, tiny_checkpoint, tiny
     get_peft_model(hf, config).save_pretrained(tmp_path / "peft")
     model = load_peft_adapter(load_pretrained(tiny_converted), tmp_path / "peft")
     lora_config = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "k_proj", "up_proj"), rslora=True)
-    save_peft_adapter(tmp_path / "again", nnx.state(model, LoRAParam), lora_config, base_model="x")
+    save_peft_adapter(tmp_path / "again", nnx.state(model, LoRAParam), lora_config,
+                      model_config=model.config, base_model="x")
     first, again = load_file(tmp_path / "peft" / "adapter_model.safetensors"), \
         load_file(tmp_path / "again" / "adapter_model.safetensors")
     assert first.keys() == again.keys()
@@ -155,7 +160,7 @@ def test_unsupported_or_mismatched_adapters_are_clear_errors(tmp_path, tiny_chec
     get_peft_model(hf, PeftLoraConfig(r=4, target_modules=["q_proj"], use_dora=True)).save_pretrained(tmp_path / "dora")
     with pytest.raises(AdapterError, match="field 'use_dora' is True; not supported"):
         load_peft_adapter(load_pretrained(tiny_converted), tmp_path / "dora")
-    other = build_tiny_llama(tmp_path / "other", {"hidden_size": 32, "head_dim": 8}, tokenizer=False)
+    other = build_tiny_model(tmp_path / "other", {"hidden_size": 32, "head_dim": 8}, tokenizer=False)
     hf_other = HFLlamaForCausalLM.from_pretrained(other, dtype=torch.float32)
     get_peft_model(hf_other, PeftLoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "small")
     with pytest.raises(AdapterError, match=r"has lora_A \[4, 32\].*this model needs \[4, 64\].*another model"):
@@ -258,13 +263,7 @@ def test_merged_checkpoint_loads_in_transformers_with_the_lora_logits(tmp_path, 
     merged = HFLlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = merged(torch.tensor(IDS)).logits.numpy()
-    from finetune.run.reading import load_run
-
-    lora, config, _ = load_run(run_dir)
-    model = load_pretrained(tiny_converted)
-    apply_lora(model, config.lora_config(), rngs=nnx.Rngs(0))
-    nnx.update(model, lora)
-    ours = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
+    ours = np.asarray(run_model(run_dir, tiny_converted)(jnp.asarray(IDS, jnp.int32)))
     plain = np.asarray(load_pretrained(tiny_converted)(jnp.asarray(IDS, jnp.int32)))
     assert np.abs(ours - plain).max() > 1e-3
     assert np.abs(ours - theirs).max() <= tolerance(theirs, 1e-4)
@@ -281,7 +280,7 @@ def test_bad_shard_size(tmp_path, run_dir, capsys):
 def test_peft_variants_we_do_not_run_are_refused(tmp_path, tiny_converted, field, value):
     model = jax_lora_model(tiny_converted, LoraConfig(targets=("q_proj", "v_proj")))
     adapter = save_peft_adapter(tmp_path / "a", nnx.state(model, LoRAParam), LoraConfig(targets=("q_proj", "v_proj")),
-                                base_model="x")
+                                model_config=model.config, base_model="x")
     config = json.loads((adapter / "adapter_config.json").read_text())
     config[field] = value
     (adapter / "adapter_config.json").write_text(json.dumps(config))

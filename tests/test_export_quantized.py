@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
 from converter import convert
-from demo.tiny import build_tiny_llama
+from demo.tiny import build_tiny_model
 from export.cli import main as export_main
 from finetune.config import TrainConfig
 from finetune.train.loop import run_training
@@ -118,7 +118,7 @@ def test_merge_into_the_hf_checkpoint_equals_the_merge_into_its_conversion(tmp_p
 
 
 def test_merge_base_of_another_model_or_quantized_is_one_line(tmp_path, nf4_run, converted, capsys):
-    other = build_tiny_llama(tmp_path / "other", {"hidden_size": 32, "head_dim": 8}, tokenizer=False)
+    other = build_tiny_model(tmp_path / "other", {"hidden_size": 32, "head_dim": 8}, tokenizer=False)
     capsys.readouterr()
     cases = [(other, f"export-peft: error: {other / 'config.json'}: hidden_size is 32, the run's base "
                      f"({converted / 'nf4'}) has 64: not the weights of that model"),

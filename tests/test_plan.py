@@ -301,7 +301,7 @@ def test_plan_with_a_missing_config_file_is_one_line(tmp_path, capsys):
     missing = tmp_path / "nope.json"
     assert main(["--plan", "--model-config", str(missing), "--mesh", "dp=1,fsdp=8,mp=1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"finetune-lora: error: {missing}: not found (expected a HuggingFace Llama config.json)"]
+    assert err == [f"finetune-lora: error: {missing}: not found (expected a HuggingFace config.json)"]
 
 
 def test_plan_refuses_a_rank_larger_than_the_layers_before_compiling(small_config, capsys):

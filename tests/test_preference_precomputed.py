@@ -123,7 +123,7 @@ def test_a_changed_initial_adapter_gets_its_reference_computed_anew(tmp_path, ti
         lora = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(seed), x.shape, x.dtype),
                             run.state.lora)
         shutil.rmtree(adapter, ignore_errors=True)
-        save_peft_adapter(adapter, lora, run.config.lora_config(), base_model="tiny")
+        save_peft_adapter(adapter, lora, run.config.lora_config(), model_config=run.llama, base_model="tiny")
         out = tmp_path / f"dpo-{seed}"
         capfd.readouterr()
         run_training(config(tiny_converted, pairs_file, out, steps=1, init_adapter=str(adapter),

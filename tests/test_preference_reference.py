@@ -241,7 +241,7 @@ def toolkit_step1(root, objective: str, **kwargs):
             run.graphdef, lora, base, ref, batch, Objective.of(config), config.batch_size))(
             run.state.lora, base, pair_batch(run.train_rows, run.batch_sharding, 0))
     assert float(metrics["pairs"]) == len(PAIRS)
-    return float(loss), {k: torch.from_numpy(v) for k, v in peft_tensors(jax.device_get(grads)).items()}
+    return float(loss), {k: torch.from_numpy(v) for k, v in peft_tensors(jax.device_get(grads), run.llama).items()}
 
 
 @pytest.mark.slow

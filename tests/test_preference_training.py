@@ -148,7 +148,7 @@ def test_the_initial_adapter_reference_is_never_trained(tmp_path, tiny_converted
     adapter = tmp_path / "adapter"
     run = setup(config(tiny_converted, pairs_file, tmp_path / "first"))
     lora = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(2), x.shape, x.dtype), run.state.lora)
-    save_peft_adapter(adapter, lora, run.config.lora_config(), base_model="tiny")
+    save_peft_adapter(adapter, lora, run.config.lora_config(), model_config=run.llama, base_model="tiny")
     cfg = config(tiny_converted, pairs_file, tmp_path / "dpo", init_adapter=str(adapter))
     run = setup(cfg)
     base, reference = run.frozen

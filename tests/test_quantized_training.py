@@ -140,7 +140,8 @@ def test_init_adapter_on_a_quantized_base_starts_from_the_adapter(tmp_path, nf4_
         if path[-1] == "lora_b":  # non-zero B, one key per module, so the adapter moves the output
             key = jax.random.key(zlib.crc32(".".join(map(str, path)).encode()))
             var.set_value(0.05 * jax.random.normal(key, var[...].shape))
-    adapter = save_peft_adapter(tmp_path / "adapter", nnx.state(model, LoRAParam), lora_config, base_model="x")
+    adapter = save_peft_adapter(tmp_path / "adapter", nnx.state(model, LoRAParam), lora_config,
+                                model_config=model.config, base_model="x")
     run = setup(config(nf4_converted, data_file, tmp_path / "run", init_adapter=str(adapter), rank=16))
     assert (run.config.rank, run.config.target_modules) == (4, ("down_proj", "q_proj"))
     want = flat(nnx.state(model, LoRAParam))

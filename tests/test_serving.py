@@ -6,7 +6,9 @@ against PEFT on the same adapters. vLLM lives in a venv of its own (tests/vllm_e
   completions with the adapter equal PEFT's greedy generation, and differ from the base model's.
 - What export-peft warns about (export/serving_limits.py), on a small random model: a rank above vLLM's default
   `--max-lora-rank` is refused and served with the option the warning names; an `lm_head` adapter's delta also
-  reaches the base model's requests.
+  reaches the base model's requests; Qwen2 refuses an `lm_head` adapter.
+- The other families (Mistral, Qwen2, Qwen3): an adapter on a small random model is served as PEFT serves it (the
+  next token's log-probabilities, 16 greedy tokens).
 """
 
 import json
@@ -139,10 +141,10 @@ PROMPT = [0, 275, 81, 84, 264, 77, 263, 74, 100, 31]
 def small_model(tmp_path_factory):
     """A random Llama with untied lm_head and head_dim 64 (a size vLLM's CPU attention serves), converted."""
     from converter import convert
-    from demo.tiny import build_tiny_llama
+    from demo.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("small")
-    hf = build_tiny_llama(root / "hf", config={"hidden_size": 256, "head_dim": 64})
+    hf = build_tiny_model(root / "hf", config={"hidden_size": 256, "head_dim": 64})
     convert(hf, root / "jax", progress=False)
     return hf, root / "jax"
 
@@ -201,3 +203,70 @@ def test_an_lm_head_adapter_reaches_the_base_models_requests(small_model, tmp_pa
         served_base = next_token_logprobs(url, str(hf), PROMPT)  # asked first: nothing served the adapter yet
         assert_served_as(next_token_logprobs(url, "head", PROMPT), tuned, base)
     assert_served_as(served_base, tuned, base)  # the adapter's lm_head, not the base's
+
+
+# ---- the other families ----------------------------------------------------------------------------------------
+
+# Small random models vLLM's CPU attention serves (head_dim 64), each family's switches on where vLLM 0.32 builds them
+# (export/serving_limits.py): Qwen2's q/k/v biases, Qwen3's head norms; no sliding window (vLLM refuses Qwen's windows
+# on some layers only, and a window on every layer would not reach across PROMPT's 10 tokens at 64).
+FAMILY_MODELS = {
+    "mistral": {"model_type": "mistral", "sliding_window": None},
+    "qwen2": {"model_type": "qwen2", "use_sliding_window": False},
+    "qwen3": {"model_type": "qwen3", "use_sliding_window": False, "attention_bias": False},
+}
+
+
+def greedy_continuation(url: str, model: str, ids: list[int], new_tokens: int) -> list[int]:
+    status, body = request(f"{url}/v1/completions", {
+        "model": model, "prompt": ids, "max_tokens": new_tokens, "temperature": 0, "logprobs": 0,
+        "return_tokens_as_token_ids": True, "ignore_eos": True})
+    assert status == 200, body
+    return [int(t.removeprefix("token_id:")) for t in json.loads(body)["choices"][0]["logprobs"]["tokens"]]
+
+
+def peft_greedy_continuation(hf: Path, adapter: Path, ids: list[int], new_tokens: int) -> list[int]:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32), adapter).eval()
+    model.generation_config.eos_token_id = None  # as vLLM's ignore_eos: no stop, no token suppressed
+    with torch.no_grad():  # (PeftModel.generate takes its inputs by keyword)
+        out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILY_MODELS))
+def test_a_familys_adapter_is_served_as_peft_serves_it(tmp_path, model_type):
+    from converter import convert
+    from demo.tiny import build_tiny_model
+
+    hf = build_tiny_model(tmp_path / "hf", config={
+        "hidden_size": 256, "head_dim": 64, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        **FAMILY_MODELS[model_type]})
+    convert(hf, tmp_path / "jax", progress=False)
+    adapter, warnings = export_with_warnings(tmp_path / "jax", tmp_path)
+    assert warnings == []
+    tuned, base = peft_logprobs(hf, adapter)
+    expected = peft_greedy_continuation(hf, adapter, PROMPT, 16)
+    with vllm_server(hf, "--lora-modules", f"tuned={adapter}", log=tmp_path / "vllm.log") as url:
+        assert_served_as(next_token_logprobs(url, "tuned", PROMPT), tuned, base)
+        assert greedy_continuation(url, "tuned", PROMPT, 16) == expected
+
+
+def test_an_lm_head_adapter_on_qwen2_is_refused_as_export_peft_warns(tmp_path):
+    from converter import convert
+    from demo.tiny import build_tiny_model
+
+    hf = build_tiny_model(tmp_path / "hf", config={
+        "hidden_size": 256, "head_dim": 64, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        **FAMILY_MODELS["qwen2"]})
+    convert(hf, tmp_path / "jax", progress=False)
+    adapter, warnings = export_with_warnings(tmp_path / "jax", tmp_path, "--rank", "8", "--targets", "lm_head")
+    (warning,) = warnings
+    assert "lm_head" in warning and "refuses" in warning
+    with vllm_server(hf, log=tmp_path / "vllm.log", runtime_lora=True) as url:
+        status, body = request(f"{url}/v1/load_lora_adapter", {"lora_name": "head", "lora_path": str(adapter)})
+        assert status != 200 and "lm_head" in body, body

@@ -9,30 +9,56 @@ from export.cli import main as export_main
 from export.serving_limits import serving_warnings
 from finetune.config import TrainConfig
 from finetune.train.loop import run_training
+from jaxmodel.config import ModelConfig
 from jaxmodel.lora import LoraConfig
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SHAPE = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2}
+LLAMA = ModelConfig.from_hf({"model_type": "llama", **SHAPE})
 
 
 @pytest.mark.parametrize("rank", [1, 8, 16])
 def test_an_adapter_vllm_serves_by_default_gets_no_warning(rank):
-    assert serving_warnings(LoraConfig(rank=rank, alpha=16, targets=DEFAULT_TARGETS)) == []
+    assert serving_warnings(LoraConfig(rank=rank, alpha=16, targets=DEFAULT_TARGETS), LLAMA) == []
 
 
 @pytest.mark.parametrize("rank, option", [(17, 32), (32, 32), (33, 64), (100, 128), (300, 320), (512, 512)])
 def test_a_rank_above_the_default_names_the_smallest_max_lora_rank_that_serves_it(rank, option):
-    (warning,) = serving_warnings(LoraConfig(rank=rank, alpha=16, targets=DEFAULT_TARGETS))
+    (warning,) = serving_warnings(LoraConfig(rank=rank, alpha=16, targets=DEFAULT_TARGETS), LLAMA)
     assert f"rank {rank}" in warning and f"--max-lora-rank {option}" in warning and "\n" not in warning
 
 
 def test_a_rank_no_vllm_option_serves_points_to_the_merge():
-    (warning,) = serving_warnings(LoraConfig(rank=513, alpha=16, targets=DEFAULT_TARGETS))
+    (warning,) = serving_warnings(LoraConfig(rank=513, alpha=16, targets=DEFAULT_TARGETS), LLAMA)
     assert "512" in warning and "--merge" in warning and "--max-lora-rank" not in warning.split("512")[-1]
 
 
 def test_an_lm_head_target_is_named_with_the_merge():
-    (warning,) = serving_warnings(LoraConfig(rank=8, alpha=16, targets=("q_proj", "lm_head")))
+    (warning,) = serving_warnings(LoraConfig(rank=8, alpha=16, targets=("q_proj", "lm_head")), LLAMA)
     assert "lm_head" in warning and "--merge" in warning and "\n" not in warning
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+def test_an_lm_head_target_on_a_family_vllm_refuses_it_for_points_to_the_merge(model_type):
+    model = ModelConfig.from_hf({"model_type": model_type, **SHAPE, "sliding_window": None})
+    (warning,) = serving_warnings(LoraConfig(rank=8, alpha=16, targets=("q_proj", "lm_head")), model)
+    assert "refuses" in warning and "--merge" in warning
+    assert serving_warnings(LoraConfig(rank=8, alpha=16, targets=DEFAULT_TARGETS), model) == []
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({"model_type": "qwen2", **SHAPE, "head_dim": 8}, "head_dim 8 is not hidden_size / heads"),
+    ({"model_type": "qwen3", **SHAPE, "head_dim": 4, "attention_bias": True}, "attention biases"),
+    ({"model_type": "qwen3", **SHAPE, "head_dim": 4, "use_sliding_window": True, "sliding_window": 4,
+      "max_window_layers": 1}, "some layers only"),
+])
+def test_bases_vllm_cannot_serve_are_named(raw, needle):
+    (warning,) = serving_warnings(LoraConfig(rank=8, alpha=16, targets=DEFAULT_TARGETS), ModelConfig.from_hf(raw))
+    assert needle in warning and "\n" not in warning
+    qwen3_windows_everywhere = {**raw, "max_window_layers": 0} if "max_window_layers" in raw else None
+    if qwen3_windows_everywhere:
+        assert serving_warnings(LoraConfig(rank=8, alpha=16, targets=DEFAULT_TARGETS),
+                                ModelConfig.from_hf(qwen3_windows_everywhere)) == []
 
 
 @pytest.mark.slow

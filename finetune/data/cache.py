@@ -38,7 +38,7 @@ from finetune.data.workers import default_workers, tokenize_to_store
 from jaxmodel.formats.atomic import atomic_directory
 
 # Raised whenever what a stored entry holds for the same key would differ (tokenization or store format).
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 DIGEST_FILE = "digest.json"
 # Bytes of an array hashed at a time: the memory-mapped store is read in pieces, never whole.
 HASH_CHUNK_BYTES = 1 << 24

@@ -296,18 +296,33 @@ def _render_chat(where: str, messages: list[dict], tokenizer, stop: int | None =
 
     ids = render(messages)
     trained = np.zeros(len(ids), bool)
+    whole_text = None
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or (final is not None and i != final):
             continue
+        # The generation prompt may end inside a token of the reply (its tokens then need not begin `ids`), but its
+        # text must begin the conversation's: a template that renders it otherwise (Mistral's, which puts the system
+        # message into the last user turn only) has no such boundary.
+        whole_text = _render_text(tokenizer, messages) if whole_text is None else whole_text
+        prompt_begins = whole_text.startswith(_render_text(tokenizer, messages[:i], True))
         start, upto = len(render(messages[:i], True)), render(messages[: i + 1])
+        end = len(upto)
         if stop is not None and start >= stop:
             break
-        end = len(upto)
-        if upto != ids[:end]:
-            raise DataError(f"{where}: the chat template renders a conversation differently from its prefixes; "
-                            "cannot tell which tokens are the assistant's")
+        if not prompt_begins or upto != ids[:end]:
+            turn = sum(m["role"] == "assistant" for m in messages[: i + 1])
+            part = (f"before assistant turn {turn}, with the generation prompt," if not prompt_begins
+                    else f"through assistant turn {turn}")
+            raise DataError(f"{where}: the chat template renders the conversation {part} differently from the whole "
+                            "conversation, so its tokens cannot be told apart (README, \"Chat templates of other "
+                            "families\")")
         trained[start:end] = True
     return Example(np.asarray(ids, np.int32), trained, where)
+
+
+def _render_text(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
+    """The chat template's rendering of `messages` as text."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
 def _render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> list[int]:

@@ -41,6 +41,11 @@ def read_run_config(run_dir: str | Path) -> TrainConfig:
     return TrainConfig(**raw)
 
 
+def run_model_config(run_dir: str | Path) -> ModelConfig:
+    """The ModelConfig of the base a run trained (its converted checkpoint's config.json)."""
+    return ModelConfig.from_hf(read_run_config(run_dir).model)
+
+
 def read_base_source(run_dir: str | Path) -> dict | None:
     """The HF checkpoint the run's base was converted from (`base_source.json`), or None for a run without that
     record (started on an older conversion, or by an older finetune-lora)."""

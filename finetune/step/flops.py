@@ -9,8 +9,9 @@ def flops_per_token(config: ModelConfig, seq_len: int, reference_forward: bool =
     """Model FLOPs per trained token of a LoRA step (frozen base), counted as:
 
     forward 2N (N = matmul weights: q, k, v, o, gate, up, down per layer, and the LM head) plus attention
-    4·L·T·H (QKᵀ and AV with H = heads·head_dim, T the sequence, causality not discounted); the backward
-    pass needs activation gradients only (no base-weight gradients): 2N + 8·L·T·H. Total
+    4·L·T·H (QKᵀ and AV with H = heads·head_dim, T the sequence, causality not discounted; a layer with a
+    sliding window of W keys counts min(T, W) for its T); the backward pass needs activation gradients only
+    (no base-weight gradients): 2N + 8·L·T·H. Total
     4N + 12·L·T·H. LoRA's own matmuls (rank r) are under 1% at r=8 and are left out. With
     `reference_forward` (DPO, IPO: the reference model runs in the same step) one more forward: 6N + 16·L·T·H.
     """
@@ -19,6 +20,6 @@ def flops_per_token(config: ModelConfig, seq_len: int, reference_forward: bool =
     kv = c.num_key_value_heads * c.head_dim
     per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
     n = c.num_hidden_layers * per_layer + c.hidden_size * c.vocab_size
-    attention = c.num_hidden_layers * seq_len * q
+    attention = sum(min(seq_len, w or seq_len) for w in c.layer_windows()) * q
     forward = 2.0 * n + 4.0 * attention
     return 4.0 * n + 12.0 * attention + (forward if reference_forward else 0.0)

@@ -64,16 +64,17 @@ def hf_tensors_by_param(config: ModelConfig, tensors, source_dir: Path, error: t
     """An HF checkpoint's tensors (`hf_checkpoint.SourceTensor`s) by NNX path and layer (0 for an unstacked
     parameter), checked against `config`: every tensor a parameter of its shape (known extras such as rotary
     caches skipped, a tied model's stored head dropped) and every parameter present; `error(message)` else."""
-    from jaxmodel.formats.hf_names import IGNORED, hf_to_jax, is_stacked, jax_to_hf
+    from jaxmodel.formats.hf_names import IGNORED, names_of
 
     expected = param_specs(config)
+    names = names_of(config)
     by_path: dict[str, dict] = {}
     for t in tensors:
-        mapped = hf_to_jax(t.name)
+        mapped = names.hf_to_jax(t.name)
         if mapped is None:
             if IGNORED.fullmatch(t.name):
                 continue
-            raise error(f"{t.file}: unexpected tensor '{t.name}' (not part of a Llama checkpoint)")
+            raise error(f"{t.file}: unexpected tensor '{t.name}' (not part of a {config.model_type} checkpoint)")
         path, layer = mapped
         if path not in expected:
             if path == "lm_head.weight" and config.tie_word_embeddings:
@@ -87,10 +88,10 @@ def hf_tensors_by_param(config: ModelConfig, tensors, source_dir: Path, error: t
             raise error(f"{t.file}: tensor '{t.name}' has shape {list(t.shape)}, config.json implies {list(slice_shape)}")
         by_path.setdefault(path, {})[layer or 0] = t
     for path, (shape, _) in expected.items():
-        stacked = is_stacked(path)
+        stacked = names.is_stacked(path)
         for index in range(shape[0] if stacked else 1):
             if index not in by_path.get(path, {}):
-                name = jax_to_hf(path, index if stacked else None)
+                name = names.jax_to_hf(path, index if stacked else None)
                 raise error(f"{source_dir}: missing tensor '{name}', which config.json implies")
     return by_path
 

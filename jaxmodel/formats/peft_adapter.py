@@ -1,6 +1,6 @@
 """The PEFT LoRA adapter format: write ours for `PeftModel.from_pretrained`, and read PEFT's into the JAX model.
 
-Key names come from the HF name table (`jaxmodel.formats.hf_names.hf_module`): `base_model.model.` + the
+Key names come from the model family's name table (`jaxmodel.formats.hf_names`): `base_model.model.` + the
 HF module + `.lora_A.weight` / `.lora_B.weight`. PEFT stores `lora_A: [r, in]` and `lora_B: [out, r]`;
 the JAX model keeps `A: [in, r]`, `B: [r, out]`, so each is transposed (they are small).
 PEFT loads adapters with `strict=False`, silently skipping unknown keys: the tests compare outputs.
@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxmodel.errors import UserError
 from jaxmodel.formats.atomic import atomic_directory
-from jaxmodel.formats.hf_names import hf_module
+from jaxmodel.formats.hf_names import names_of
 from jaxmodel.formats.io import read_json
 from jaxmodel.lora import LoraConfig, apply_lora, target_linears
 from jaxmodel.formats.safetensors_file import DTYPES
@@ -34,8 +34,10 @@ class AdapterError(ValueError, UserError):
     """An adapter this toolkit cannot use; the message names the file/field and what was expected."""
 
 
-def peft_tensors(lora: nnx.State, dtype=np.float32) -> dict[str, np.ndarray]:
-    """PEFT's state dict for a LoRA state: one `[r, in]` A and `[out, r]` B per adapted module and layer."""
+def peft_tensors(lora: nnx.State, model_config, dtype=np.float32) -> dict[str, np.ndarray]:
+    """PEFT's state dict for a LoRA state of a model of `model_config` (a `jaxmodel.config.ModelConfig`): one
+    `[r, in]` A and `[out, r]` B per adapted module and layer."""
+    names = names_of(model_config)
     tensors: dict[str, np.ndarray] = {}
     flat = {".".join(map(str, path)): np.asarray(var[...]) for path, var in nnx.to_flat_state(lora)}
     for path, a in flat.items():
@@ -45,7 +47,7 @@ def peft_tensors(lora: nnx.State, dtype=np.float32) -> dict[str, np.ndarray]:
         b = flat[module + ".lora_b"]
         layers = [(i, a[i], b[i]) for i in range(a.shape[0])] if a.ndim == 3 else [(None, a, b)]
         for layer, a_ir, b_ro in layers:
-            name = PREFIX + hf_module(module, layer)
+            name = PREFIX + names.hf_module(module, layer)
             tensors[name + ".lora_A.weight"] = np.ascontiguousarray(a_ir.T).astype(dtype)
             tensors[name + ".lora_B.weight"] = np.ascontiguousarray(b_ro.T).astype(dtype)
     return tensors
@@ -69,17 +71,18 @@ def adapter_config(lora_config: LoraConfig, base_model: str, revision: str | Non
     }
 
 
-def save_peft_adapter(out: str | Path, lora: nnx.State, lora_config: LoraConfig, *, base_model: str,
+def save_peft_adapter(out: str | Path, lora: nnx.State, lora_config: LoraConfig, *, model_config, base_model: str,
                       dtype: str = "float32", card: Mapping[str, Any] | None = None,
                       revision: str | None = None) -> Path:
     """Write `adapter_model.safetensors`, `adapter_config.json` and a README.md model card into `out`,
-    atomically (a temporary directory renamed into place). `base_model` (a hub id or HF directory) and its
+    atomically (a temporary directory renamed into place). `model_config` is the adapted model's `ModelConfig`;
+    `base_model` (a hub id or HF directory) and its
     `revision` go into adapter_config.json and the card."""
     from safetensors.numpy import save_file
 
     if dtype not in EXPORT_DTYPES:
         raise AdapterError(f"--dtype {dtype!r}: expected one of {', '.join(EXPORT_DTYPES)}")
-    tensors = peft_tensors(lora, EXPORT_DTYPES[dtype])
+    tensors = peft_tensors(lora, model_config, EXPORT_DTYPES[dtype])
     if not tensors:
         raise AdapterError("no LoRA parameters to export")
     out = Path(out)
@@ -152,12 +155,13 @@ def load_peft_adapter(model, adapter_dir: str | Path):
     apply_lora(model, lora_config, rngs=nnx.Rngs(0))
     where = Path(adapter_dir) / ADAPTER_WEIGHTS
     used = set()
+    names = names_of(model.config)
     for path, linear in target_linears(model, lora_config.targets):
         a = linear.lora_a[...]
         layers = range(a.shape[0]) if a.ndim == 3 else [None]
         values_a, values_b = [], []
         for layer in layers:
-            name = PREFIX + hf_module(path, layer)
+            name = PREFIX + names.hf_module(path, layer)
             try:
                 a_ri, b_or = tensors[name + ".lora_A.weight"], tensors[name + ".lora_B.weight"]
             except KeyError:

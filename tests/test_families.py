@@ -1,0 +1,359 @@
+"""Mistral, Qwen2 and Qwen3 against transformers' own classes (MistralForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM): config.json read and written back, logits on drawn configs (float32, bf16), padding and
+sliding windows, greedy generation, loss and LoRA gradients on meshes (blockwise attention and `cp` too), and
+the PEFT adapter and merged checkpoint a run exports."""
+
+import dataclasses
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from peft import AutoPeftModelForCausalLM, PeftModel
+from strategies import batches, family_configs
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from conftest import run_model
+from converter import convert
+from demo.tiny import build_tiny_model
+from jaxmodel import ModelConfig, generate, load_pretrained
+from jaxmodel.config import ConfigError
+from jaxmodel.families import FAMILIES
+from jaxmodel.formats.hf_names import names_of
+from jaxmodel.layers import LoRAParam
+from jaxmodel.lora import LoraConfig, apply_lora
+from jaxmodel.formats.peft_adapter import save_peft_adapter
+from test_parity import BF16_ERROR_RATIO, f32_tolerance, hf_logits, jax_logits
+
+FAMILY_TYPES = ("mistral", "qwen2", "qwen3")
+ARCHITECTURES = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# Each family's switches on, over demo/tiny.py's TINY_CONFIG (2 layers, GQA 4/2, head_dim 16): a window of 8 keys
+# on every layer (Mistral) or on the second (Qwen, from max_window_layers 1), Qwen3 with attention biases.
+TINY_FAMILIES = {
+    "mistral": {"model_type": "mistral", "sliding_window": 8},
+    "qwen2": {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    "qwen3": {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
+              "attention_bias": True},
+}
+DEFAULT_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+
+
+def hf_model(config: dict, seed: int = 0, dtype: str = "float32"):
+    """transformers' own class for `config["model_type"]`, seeded, with drawn norm weights, in `dtype` (RoPE
+    frequencies kept float32, as `from_pretrained` keeps them)."""
+    torch.manual_seed(seed)
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **fields))
+    with torch.no_grad():  # norm weights other than transformers' ones, so that each one's place matters
+        for name, param in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.5 * torch.randn_like(param))
+    inv_freq = hf.model.rotary_emb.inv_freq.clone()
+    hf = hf.to(getattr(torch, dtype)).eval()
+    hf.model.rotary_emb.inv_freq = inv_freq
+    return hf
+
+
+def converted(hf, **load):
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(Path(tmp) / "hf")
+        convert(Path(tmp) / "hf", Path(tmp) / "jax", progress=False)
+        return load_pretrained(Path(tmp) / "jax", **load)
+
+
+# ----------------------------------------------------------------------------------------------------
+# config.json
+
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+@settings(max_examples=20)
+@given(data=st.data())
+def test_configs_read_as_transformers_reads_them_and_write_back(model_type, data):
+    raw = data.draw(family_configs(model_type))
+    config = ModelConfig.from_hf(raw)
+    hf = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
+    assert config.head_dim == getattr(hf, "head_dim", hf.hidden_size // hf.num_attention_heads)
+    # transformers' per-layer windows: Mistral's one window, Qwen's layer_types with sliding_window
+    if model_type == "mistral":
+        windows = [hf.sliding_window or 0] * hf.num_hidden_layers
+    else:
+        windows = [hf.sliding_window if t == "sliding_attention" and hf.sliding_window else 0 for t in hf.layer_types]
+    assert list(config.layer_windows()) == windows
+    assert ModelConfig.from_hf(hf.to_dict()).layer_windows() == config.layer_windows()
+    written = config.to_hf()
+    assert written["architectures"] == [ARCHITECTURES[model_type]] and written["model_type"] == model_type
+    assert ModelConfig.from_hf(written) == config
+
+
+def test_switches_of_each_family():
+    shape = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 3,
+             "num_attention_heads": 2, "attention_bias": True, "mlp_bias": True}
+    got = {t: ModelConfig.from_hf({"model_type": t, **shape}) for t in ("llama", *FAMILY_TYPES)}
+    switches = {t: (c.qkv_bias, c.o_bias, c.mlp_bias, c.qk_norm) for t, c in got.items()}
+    assert switches == {"llama": (True, True, True, False), "mistral": (False, False, False, False),
+                        "qwen2": (True, False, False, False), "qwen3": (True, True, False, True)}
+    assert got["qwen3"].head_dim == 128  # transformers' Qwen3Config default
+    # Qwen's configs carry a window that only use_sliding_window switches on
+    qwen = {"model_type": "qwen2", **shape, "sliding_window": 4, "max_window_layers": 1}
+    assert ModelConfig.from_hf(qwen).layer_windows() == (0, 0, 0)
+    assert ModelConfig.from_hf({**qwen, "use_sliding_window": True}).layer_windows() == (0, 4, 4)
+    # an absent sliding_window is transformers' default, 4096; null is none
+    for model_type, switch in (("mistral", {}), ("qwen2", {"use_sliding_window": True, "max_window_layers": 0})):
+        raw = {"model_type": model_type, **shape, **switch}
+        hf = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
+        assert hf.sliding_window == 4096 and ModelConfig.from_hf(raw).layer_windows() == (4096,) * 3
+        assert ModelConfig.from_hf({**raw, "sliding_window": None}).layer_windows() == (0,) * 3
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "gemma3"}, "field 'model_type' is 'gemma3'; supported: llama, mistral, qwen2, qwen3"),
+    ({"model_type": "mistral", "sliding_window": 0}, "field 'sliding_window' must be a positive integer or null"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "layer_types": ["full_attention"]},
+     "field 'layer_types' must list 2 of full_attention, sliding_attention"),
+    ({"model_type": "qwen3", "use_sliding_window": "yes"}, "field 'use_sliding_window' must be bool"),
+])
+def test_bad_family_fields_are_named(change, message):
+    raw = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "head_dim": 4, **change}
+    with pytest.raises(ConfigError, match="^config: ") as info:
+        ModelConfig.from_hf(raw)
+    assert message in str(info.value)
+
+
+def test_flops_per_token_count_each_windowed_layer_at_its_window():
+    from finetune.step.flops import flops_per_token
+
+    shape = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 4,
+             "num_attention_heads": 2, "head_dim": 4}
+    full = ModelConfig.from_hf({"model_type": "qwen3", **shape})
+    windowed = ModelConfig.from_hf({"model_type": "qwen3", **shape, "use_sliding_window": True, "sliding_window": 100,
+                                    "max_window_layers": 1})
+    # three of four layers see 100 keys instead of 1000: 12 x (1000 - 100) x heads x head_dim FLOPs each fewer
+    assert flops_per_token(full, 1000) - flops_per_token(windowed, 1000) == 3 * 12 * 900 * 2 * 4
+    assert flops_per_token(full, 100) == flops_per_token(windowed, 100)
+
+
+def test_qwen3_names_its_head_norms_and_the_others_share_llamas_table():
+    qwen3 = names_of(ModelConfig.from_hf({"model_type": "qwen3", "vocab_size": 10, "hidden_size": 8,
+                                         "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2}))
+    assert qwen3.hf_to_jax("model.layers.1.self_attn.k_norm.weight") == ("layers.self_attn.k_norm.weight", 1)
+    assert qwen3.jax_to_hf("layers.self_attn.q_norm.weight", 0) == "model.layers.0.self_attn.q_norm.weight"
+    assert FAMILIES["mistral"].modules == FAMILIES["qwen2"].modules == FAMILIES["llama"].modules
+    llama = names_of(ModelConfig.from_hf({"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+                                         "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2}))
+    assert llama.hf_to_jax("model.layers.1.self_attn.k_norm.weight") is None
+
+
+# ----------------------------------------------------------------------------------------------------
+# the model against transformers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_float32_logits_match_transformers(model_type, data):
+    config = data.draw(family_configs(model_type))
+    shape, seed = data.draw(batches(max_seq=200)), data.draw(st.integers(0, 2**16))
+    hf = hf_model(config, seed)
+    model = converted(hf)
+    ids = np.random.default_rng(seed).integers(0, config["vocab_size"], shape)
+    expected = hf_logits(hf, ids)
+    got = np.asarray(jax_logits(model, jnp.asarray(ids, jnp.int32)))
+    assert np.abs(got - expected).max() <= f32_tolerance(expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+@settings(max_examples=3, deadline=None)
+@given(data=st.data())
+def test_bfloat16_logits_match_transformers_within_documented_bound(model_type, data):
+    config = data.draw(family_configs(model_type, max_layers=2))
+    shape, seed = data.draw(batches(max_seq=160)), data.draw(st.integers(0, 2**16))
+    hf = hf_model(config, seed, dtype="bfloat16")
+    model = converted(hf)
+    ids = np.random.default_rng(seed).integers(0, config["vocab_size"], shape)
+    theirs = hf_logits(hf, ids)
+    with torch.no_grad():
+        exact = hf.double()(torch.tensor(ids)).logits.numpy()
+    got = np.asarray(jax_logits(model, jnp.asarray(ids, jnp.int32)))
+    floor = 1e-3 * max(1.0, np.abs(exact).max())
+    assert np.abs(got - exact).max() <= BF16_ERROR_RATIO * np.abs(theirs - exact).max() + floor
+
+
+def tiny_family(model_type: str) -> dict:
+    from demo.tiny import TINY_CONFIG
+
+    return {**TINY_CONFIG, **DEFAULT_ROPE, **TINY_FAMILIES[model_type]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+@pytest.mark.parametrize("attention", ["xla", "blockwise"])
+def test_left_padding_and_windows_match_transformers(model_type, attention):
+    """Rows left-padded by less and more than the window, on both attention paths (blockwise with blocks of 8
+    keys, so that the window skips whole blocks)."""
+    import jaxmodel.attention as attention_module
+
+    config = tiny_family(model_type)
+    hf = hf_model(config, seed=3)
+    model = converted(hf, attention=attention)
+    seq, lengths = 48, [48, 45, 30, 3]
+    ids = np.random.default_rng(3).integers(0, config["vocab_size"], (len(lengths), seq))
+    mask = np.array([[0] * (seq - n) + [1] * n for n in lengths])
+    expected = hf_logits(hf, ids, mask)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention_module, "BLOCK_Q", 8)
+        patch.setattr(attention_module, "BLOCK_KV", 8)
+        got = np.asarray(model(jnp.asarray(ids, jnp.int32), attention_mask=jnp.asarray(mask)))
+    real = mask.astype(bool)
+    assert np.abs(got[real] - expected[real]).max() <= f32_tolerance(expected[real])
+    # the windows matter here: the same weights without them give other logits
+    full = dataclasses.replace(model.config, sliding_window=None, sliding_layers=())
+    model.config = full
+    unwindowed = np.asarray(model(jnp.asarray(ids, jnp.int32), attention_mask=jnp.asarray(mask)))
+    assert np.abs(unwindowed[real] - expected[real]).max() > 100 * f32_tolerance(expected[real])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_greedy_generation_equals_transformers(model_type):
+    """Left-padded prompts whose generation runs past the window: the KV-cache path applies it as
+    transformers' cache does."""
+    config = tiny_family(model_type)
+    hf = hf_model(config, seed=5)
+    model = converted(hf)
+    lengths, seq = [12, 7], 12
+    ids = np.random.default_rng(5).integers(6, config["vocab_size"], (2, seq))
+    mask = np.array([[0] * (seq - n) + [1] * n for n in lengths])
+    ids = np.where(mask == 1, ids, config["pad_token_id"])
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=16,
+                             do_sample=False, eos_token_id=None, pad_token_id=config["pad_token_id"]).numpy()
+    ours = generate(model, ids, 16, attention_mask=mask, eos_token_id=(), pad_token_id=config["pad_token_id"])
+    np.testing.assert_array_equal(ours, theirs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# training and export
+
+
+@pytest.fixture(scope="module", params=FAMILY_TYPES)
+def family_checkpoint(request, tmp_path_factory):
+    """(model_type, HF directory with tokenizer, converted directory) of the family's tiny model."""
+    root = tmp_path_factory.mktemp(request.param)
+    hf_dir = build_tiny_model(root / "hf", {**DEFAULT_ROPE, **TINY_FAMILIES[request.param]})
+    convert(hf_dir, root / "jax", progress=False)
+    return request.param, hf_dir, root / "jax"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, options", [
+    ("dp=1,fsdp=1,mp=1", dict(attention="blockwise", loss_chunk=5)),
+    ("dp=1,fsdp=2,cp=4,mp=1", dict(attention="blockwise", loss_chunk=3)),
+    ("dp=2,fsdp=1,cp=2,mp=2", dict(attention="xla")),
+    ("dp=1,fsdp=4,mp=2", dict(attention="xla")),
+])
+def test_same_loss_and_lora_grads_on_a_mesh_as_one_plain_device(tmp_path, family_checkpoint, mesh, options):
+    """Rows of 32 packed tokens against windows of 8: the windows, blockwise attention, `cp` and `mp` together."""
+    from test_context_parallel import assert_same, write_packed_data, grads_on
+
+    _, _, jax_dir = family_checkpoint
+    data = write_packed_data(tmp_path / "train.jsonl")
+    reference = grads_on(jax_dir, data, tmp_path / "ref", "dp=1,fsdp=1,mp=1", jax.devices()[:1], attention="xla",
+                         loss_chunk=0, mlp_chunk=0)
+    devices = jax.devices()[:1] if mesh == "dp=1,fsdp=1,mp=1" else jax.devices()
+    assert_same(grads_on(jax_dir, data, tmp_path / "mesh", mesh, devices, **options), reference)
+
+
+def adapted(jax_dir, lora_config: LoraConfig):
+    """The converted model with non-zero adapters (B drawn), so that they move the output."""
+    model = load_pretrained(jax_dir)
+    apply_lora(model, lora_config, rngs=nnx.Rngs(1))
+    for path, var in nnx.to_flat_state(nnx.state(model, LoRAParam)):
+        if path[-1] == "lora_b":
+            var.set_value(0.05 * jax.random.normal(jax.random.key(len(path)), var[...].shape))
+    return model
+
+
+@pytest.mark.slow
+def test_exported_adapter_serves_in_peft_with_identical_outputs(tmp_path, family_checkpoint):
+    model_type, hf_dir, jax_dir = family_checkpoint
+    lora_config = LoraConfig(rank=4, alpha=8.0)
+    model = adapted(jax_dir, lora_config)
+    adapter = save_peft_adapter(tmp_path / "adapter", nnx.state(model, LoRAParam), lora_config,
+                                model_config=model.config, base_model=str(hf_dir))
+    ids = np.random.default_rng(0).integers(0, 512, (2, 40))
+    ours = np.asarray(model(jnp.asarray(ids, jnp.int32)))
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    assert type(base).__name__ == ARCHITECTURES[model_type]
+    with torch.no_grad():
+        plain = base(torch.tensor(ids)).logits.numpy()
+        theirs = PeftModel.from_pretrained(base, adapter).eval()(torch.tensor(ids)).logits.numpy()
+        auto = AutoPeftModelForCausalLM.from_pretrained(adapter, dtype=torch.float32).eval()
+        by_auto = auto(torch.tensor(ids)).logits.numpy()
+    assert np.abs(theirs - plain).max() > 1e-3
+    assert np.abs(ours - theirs).max() <= f32_tolerance(theirs)
+    assert np.abs(by_auto - theirs).max() <= f32_tolerance(theirs)
+
+
+@pytest.mark.slow
+def test_a_run_merges_into_a_checkpoint_of_the_familys_class(tmp_path, family_checkpoint):
+    from export.cli import main as export_main
+    from finetune import TrainConfig, run_training
+    from test_context_parallel import write_packed_data
+
+    model_type, _, jax_dir = family_checkpoint
+    run = tmp_path / "run"
+    run_training(TrainConfig(model=str(jax_dir), data=str(write_packed_data(tmp_path / "train.jsonl")), out=str(run),
+                             steps=2, batch_size=8, seq_len=32, dtype="float32", lr=1e-2,
+                             progress=False).validate())
+    assert export_main(["--run", str(run), "--merge", str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert type(merged).__name__ == ARCHITECTURES[model_type]
+    ids = np.random.default_rng(1).integers(0, 512, (2, 40))
+    with torch.no_grad():
+        theirs = merged(torch.tensor(ids)).logits.numpy()
+    ours = np.asarray(run_model(run, jax_dir)(jnp.asarray(ids, jnp.int32)))
+    assert np.abs(ours - np.asarray(load_pretrained(jax_dir)(jnp.asarray(ids, jnp.int32)))).max() > 1e-3
+    assert np.abs(ours - theirs).max() <= f32_tolerance(theirs)
+
+
+@pytest.mark.slow
+def test_an_nf4_qwen3_base_is_the_in_memory_quantized_model_and_trains(tmp_path):
+    """Qwen3's biases and head norms stay unquantized beside NF4 projections; a run on that base exports an
+    adapter PEFT loads onto the HF model."""
+    from export.cli import main as export_main
+    from finetune import TrainConfig, run_training
+    from jaxmodel.model import quantize_model
+    from jaxmodel.quantization import Quantization
+    from test_context_parallel import write_packed_data
+
+    hf_dir = build_tiny_model(tmp_path / "hf", {**DEFAULT_ROPE, **TINY_FAMILIES["qwen3"]})
+    convert(hf_dir, tmp_path / "jax", progress=False)
+    convert(hf_dir, tmp_path / "nf4", quantize="nf4", quant_block=8, progress=False)
+    loaded = load_pretrained(tmp_path / "nf4")
+    expected = quantize_model(load_pretrained(tmp_path / "jax"), Quantization("nf4", 8))
+    got, want = (nnx.to_flat_state(nnx.state(m, nnx.Param)) for m in (loaded, expected))
+    got = {".".join(map(str, k)): np.asarray(v[...]) for k, v in got}
+    want = {".".join(map(str, k)): np.asarray(v[...]) for k, v in want}
+    assert set(got) == set(want) and "layers.self_attn.q_norm.weight" in got and "layers.self_attn.o_proj.bias" in got
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, 512, (2, 24)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(loaded(ids)), np.asarray(expected(ids)))
+    run = tmp_path / "run"
+    run_training(TrainConfig(model=str(tmp_path / "nf4"), data=str(write_packed_data(tmp_path / "train.jsonl")),
+                             out=str(run), steps=1, batch_size=8, seq_len=32, dtype="float32",
+                             progress=False).validate())
+    assert export_main(["--run", str(run), "--out", str(tmp_path / "adapter"), "--base-model", str(hf_dir)]) == 0
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    assert len([n for n, _ in peft.named_parameters() if "lora_A" in n]) == 2 * 7  # 2 layers x 7 projections
