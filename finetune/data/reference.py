@@ -296,14 +296,13 @@ def _render_chat(where: str, messages: list[dict], tokenizer, stop: int | None =
 
     ids = render(messages)
     trained = np.zeros(len(ids), bool)
-    whole_text = None
+    # The generation prompt may end inside a token of the reply (its tokens then need not begin `ids`), but its text
+    # must begin the conversation's: a template that renders it otherwise (Mistral's, which puts the system message
+    # into the last user turn only) has no such boundary.
+    whole_text = _render_text(tokenizer, messages)
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or (final is not None and i != final):
             continue
-        # The generation prompt may end inside a token of the reply (its tokens then need not begin `ids`), but its
-        # text must begin the conversation's: a template that renders it otherwise (Mistral's, which puts the system
-        # message into the last user turn only) has no such boundary.
-        whole_text = _render_text(tokenizer, messages) if whole_text is None else whole_text
         prompt_begins = whole_text.startswith(_render_text(tokenizer, messages[:i], True))
         start, upto = len(render(messages[:i], True)), render(messages[: i + 1])
         end = len(upto)

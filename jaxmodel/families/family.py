@@ -1,4 +1,5 @@
-"""`Family`: what one HuggingFace `model_type` adds to the one decoder, and its tensor names."""
+"""`Family`: what one HuggingFace `model_type` adds to the one decoder, and its tensor names; `read_window`,
+the `sliding_window` field as the windowed families read it."""
 
 from __future__ import annotations
 
@@ -20,3 +21,17 @@ class Family:
     modules: tuple[tuple[str, str], ...]
     read: Callable[[Any], dict[str, Any]]
     write: Callable[[Any], dict[str, Any]]
+
+
+# transformers' MistralConfig and Qwen2/Qwen3Config default, when config.json has no sliding_window (null: none)
+DEFAULT_WINDOW = 4096
+
+
+def read_window(fields) -> int | None:
+    """`sliding_window`: DEFAULT_WINDOW when absent, None when null, else a positive integer."""
+    if "sliding_window" not in fields.raw:
+        return DEFAULT_WINDOW
+    window = fields.get("sliding_window", int, None)
+    if window is not None and window <= 0:
+        raise fields.error(f"field 'sliding_window' must be a positive integer or null, got {window!r}")
+    return window

@@ -3,20 +3,7 @@
 from __future__ import annotations
 
 from jaxmodel.families.llama import MODULES
-from jaxmodel.families.family import Family
-
-# transformers' MistralConfig and Qwen2/Qwen3Config default, when config.json has no sliding_window (null: none)
-DEFAULT_WINDOW = 4096
-
-
-def read_window(fields) -> int | None:
-    """`sliding_window`: DEFAULT_WINDOW when absent, None when null, else a positive integer."""
-    if "sliding_window" not in fields.raw:
-        return DEFAULT_WINDOW
-    window = fields.get("sliding_window", int, None)
-    if window is not None and window <= 0:
-        raise fields.error(f"field 'sliding_window' must be a positive integer or null, got {window!r}")
-    return window
+from jaxmodel.families.family import Family, read_window
 
 
 def _read(fields) -> dict:

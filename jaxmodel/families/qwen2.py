@@ -4,8 +4,7 @@
 from __future__ import annotations
 
 from jaxmodel.families.llama import MODULES
-from jaxmodel.families.mistral import read_window
-from jaxmodel.families.family import Family
+from jaxmodel.families.family import Family, read_window
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
