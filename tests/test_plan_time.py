@@ -1,6 +1,7 @@
 """`--plan`'s predicted time: the compiled step's collectives are those each layout implies (8 simulated devices),
 counted as often as the layer scan runs them; the device models and the prediction built on them."""
 
+import dataclasses
 import json
 import math
 
@@ -133,6 +134,13 @@ def test_a_collective_takes_the_larger_of_its_latency_and_its_bus_bytes_over_the
     # between table points: interpolated in log(size)
     between = device.bus_bytes_per_s(math.sqrt(2**27 * 2**30), 8)
     assert between == pytest.approx((294.6e9 + 314.7e9) / 2)
+
+
+def test_a_measured_table_point_is_read_back_exactly():
+    """A report's measured figure at one of its sizes is the figure, not a log-interpolation that rounds off it."""
+    table = ((1024.0, 7636255372.238157), (1048576.0, 2948837400.672011))  # log-interpolation misses the last
+    device = dataclasses.replace(DEVICE_MODELS["h200"], bus_bandwidth={2: table})
+    assert [device.bus_bytes_per_s(size, 2) for size, _ in table] == [figure for _, figure in table]
 
 
 def test_the_prediction_adds_each_ops_roofline_and_the_collectives():

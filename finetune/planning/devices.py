@@ -62,9 +62,12 @@ class DeviceModel:
 
 
 def _interpolated(table: tuple[tuple[float, float], ...], size: float) -> float:
-    """A table's figure at `size`: interpolated in log(size) between its points, flat past either end."""
+    """A table's figure at `size`: its own at one of its points, interpolated in log(size) between them (which
+    would round off a measured figure), flat past either end."""
     sizes = [s for s, _ in table]
     i = bisect.bisect_left(sizes, size)
+    if i < len(table) and sizes[i] == size:
+        return table[i][1]
     if i == 0:
         return table[0][1]
     if i == len(table):
