@@ -10,7 +10,7 @@ the setting docs/405b-on-mi300x.md uses. Devices are simulated on CPU (the CLI d
     python bench/plan_tables.py --only 405b-dpo        # the DPO rows only
     python bench/plan_tables.py --fit                  # also the --plan --fit examples of the docs (SFT and DPO)
     python bench/plan_tables.py --time                 # predicted step times: 405B layouts, 8B/70B replicated
-    python bench/plan_tables.py --families             # Qwen3-32B, Qwen2.5-72B, Mistral-Large-2 on 8 devices
+    python bench/plan_tables.py --families             # Qwen3-32B, Qwen2.5-72B, Mistral-Large-2, Gemma 3 27B
 
 Prints two markdown tables, SFT rows then DPO rows (`--objective dpo --reference base`; `--batch-size` counts
 pairs, and a step holds 2 rows a pair): weights, LoRA + AdamW, temporaries (the compiler's), the measured
@@ -33,6 +33,7 @@ L8 = REPO / "bench/configs/llama-3.1-8b-config.json"
 Q3_32 = REPO / "bench/configs/qwen3-32b-config.json"
 Q25_72 = REPO / "bench/configs/qwen2.5-72b-config.json"
 ML2 = REPO / "bench/configs/mistral-large-2407-config.json"
+G3_27 = REPO / "bench/configs/gemma-3-27b-config.json"
 FSDP8, CP8, ONE = "dp=1,fsdp=8,mp=1", "dp=1,fsdp=1,cp=8,mp=1", "dp=1,fsdp=1,cp=1,mp=1"
 
 # name: (config, mesh, batch, seq, extra flags)
@@ -80,12 +81,14 @@ TIME_ROWS = {
 TIME_ROWS.update({f"{name}-16x2048-{mesh}": (config, mesh, 16, 2048, ["--remat", "full"])
                   for name, config in (("8b", L8), ("70b", L70)) for mesh in (DP8, FSDP8, MP8)})
 
-# Families (--families): the published configs of Qwen3-32B, Qwen2.5-72B and Mistral-Large-Instruct-2407 (123B) at
-# 16 x 2048 (remat full) on 8 devices: fsdp=8 and mp=8, and a replicated base (dp=8) where the weights fit a device.
+# Families (--families): the published configs of Qwen3-32B, Qwen2.5-72B, Mistral-Large-Instruct-2407 (123B) and
+# Gemma 3 27B (its decoder: the multimodal config's text_config) at 16 x 2048 (remat full) on 8 devices: fsdp=8 and
+# mp=8, and a replicated base (dp=8) where the weights fit a device.
 FAMILY_ROWS = {f"{name}-16x2048-{mesh}": (config, mesh, 16, 2048, ["--remat", "full"])
                for name, config, meshes in (("qwen3-32b", Q3_32, (DP8, FSDP8, MP8)),
                                             ("qwen2.5-72b", Q25_72, (DP8, FSDP8, MP8)),
-                                            ("mistral-large-2407", ML2, (FSDP8, MP8)))
+                                            ("mistral-large-2407", ML2, (FSDP8, MP8)),
+                                            ("gemma-3-27b", G3_27, (DP8, FSDP8, MP8)))
                for mesh in meshes}
 
 # The --fit examples: 405B, 16 x 8192 on the node; DPO, 8 pairs x 8192.
@@ -155,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the predicted-time table (405B on fsdp, mp, mixes and cp; 8B and 70B replicated) "
                              "instead of the memory tables")
     parser.add_argument("--families", action="store_true",
-                        help="memory and predicted time of Qwen3-32B, Qwen2.5-72B and Mistral-Large-2 on 8 devices "
+                        help="memory and predicted time of Qwen3-32B, Qwen2.5-72B, Mistral-Large-2 and Gemma 3 27B on "
+                             "8 devices "
                              "instead of the memory tables")
     return parser
 

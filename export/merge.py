@@ -72,6 +72,10 @@ class MergeBase:
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         self.config = ModelConfig.from_hf(self.directory)
+        if self.config.family.other_tensors is not None:
+            raise MergeBaseError(f"{self.directory / 'config.json'}: a {self.config.family.architecture} base has "
+                                 "weights outside its decoder (a vision tower) that a merge does not carry over: "
+                                 "export the adapter (without --merge) and serve it on the base")
         self.converted = (self.directory / MANIFEST).is_file()
         self._handles: dict[Path, object] = {}
         if self.converted:

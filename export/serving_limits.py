@@ -6,8 +6,9 @@ adapter with an `lm_head` target loads and its own requests match PEFT, but the 
 server get its `lm_head` delta too. The model's LoRA has no `embed_tokens` target and never writes
 `modules_to_save`, the other parts vLLM treats specially.
 
-By family, from vLLM 0.32's model code (`vllm/model_executor/models/{mistral,qwen2,qwen3}.py`): Mistral's and
-Qwen2's classes declare no embedding modules, so an adapter with an `lm_head` target is refused at load; Qwen2's
+By family, from vLLM 0.32's model code (`vllm/model_executor/models/{mistral,qwen2,qwen3,gemma3,gemma3_mm}.py`):
+Mistral's, Qwen2's and both Gemma 3 classes declare no embedding modules, so an adapter with an `lm_head` target is
+refused at load (a multimodal Gemma 3 has no merged form either: `export.merge` refuses it); Qwen2's
 takes head_dim as hidden_size / heads whatever config.json says; Qwen3's has no bias on `o_proj`, so a base with
 `attention_bias` does not load; Qwen2 and Qwen3 with sliding windows on some layers only are refused at start.
 """
@@ -38,7 +39,10 @@ def serving_warnings(lora: LoraConfig, model: ModelConfig) -> list[str]:
             warnings.append(f"rank {lora.rank} is above vLLM's default --max-lora-rank {DEFAULT_MAX_LORA_RANK}, "
                             f"so vLLM {VLLM_VERSION} refuses this adapter unless started with --max-lora-rank "
                             f"{option}")
-    if "lm_head" in lora.targets and model.model_type in ("mistral", "qwen2"):
+    if "lm_head" in lora.targets and model.family.other_tensors is not None:
+        warnings.append(f"the adapter trains lm_head, which {family} refuses to load an adapter for; train "
+                        "without lm_head to serve it with vLLM")
+    elif "lm_head" in lora.targets and model.model_type in ("mistral", "qwen2", "gemma3_text"):
         warnings.append(f"the adapter trains lm_head, which {family} refuses to load an adapter for; {merged}")
     elif "lm_head" in lora.targets:
         warnings.append(f"the adapter trains lm_head: vLLM {VLLM_VERSION} serves it, but applies its lm_head "

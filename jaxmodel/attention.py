@@ -11,6 +11,7 @@ The mask: key j is visible to query i iff `j <= q_offset + i` (keys indexed from
 sliding-window layers), and either `mask_bts[b, i, j]` (a dense mask, plain path only) or
 `q_segment_ids[b, i] == kv_segment_ids[b, j] != 0` (segment 0 is padding). A query that sees no key (padding)
 gets zeros and passes no gradient in the blockwise path, and the mean of all values in the plain one.
+Scores are `scale * q . k`, `scale` head_dim ** -0.5 unless given.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ _NEG = float(jnp.finfo(jnp.float32).min)
 def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *, q_segment_ids: jax.Array | None = None,
               kv_segment_ids: jax.Array | None = None, q_offset: int | jax.Array = 0,
               mask_bts: jax.Array | None = None, window: int | jax.Array | None = None, impl: str = "xla",
-              dtype=None, block_q: int | None = None, block_kv: int | None = None) -> jax.Array:
+              dtype=None, block_q: int | None = None, block_kv: int | None = None,
+              scale: float | None = None) -> jax.Array:
     """Causal attention `[b, t, n, h]` by `impl`: "xla" (dense scores) or "blockwise" (memory O(t)).
 
     `mask_bts` replaces the segment ids (plain path only). `window` (None: none) may be traced. `dtype`
@@ -55,13 +57,13 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *, q_segm
             raise ValueError("blockwise attention takes segment ids, not a dense mask_bts")
         return blockwise_attention(q_btnh, k_bskh, v_bskh, q_segment_ids=q_segment_ids,
                                    kv_segment_ids=kv_segment_ids, q_offset=q_offset, window=window, dtype=dtype,
-                                   block_q=block_q, block_kv=block_kv)
+                                   block_q=block_q, block_kv=block_kv, scale=scale)
     b, t, s = q_btnh.shape[0], q_btnh.shape[1], k_bskh.shape[1]
     visible_bts = dense_mask(b, t, s, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                              q_offset=q_offset, mask_bts=mask_bts, window=window)
     # Query blocks may drop the keys after their end only when those are hidden by index from query 0 on.
     aligned = isinstance(q_offset, int) and q_offset == 0 and t == s
-    return xla_attention(q_btnh, k_bskh, v_bskh, visible_bts, dtype=dtype, causal_blocks=aligned)
+    return xla_attention(q_btnh, k_bskh, v_bskh, visible_bts, dtype=dtype, causal_blocks=aligned, scale=scale)
 
 
 def dense_mask(b: int, t: int, s: int, *, q_segment_ids=None, kv_segment_ids=None, q_offset=0,
@@ -96,7 +98,7 @@ def _segments_or_ones(q_segment_ids, kv_segment_ids, b: int, t: int, s: int):
 
 
 def xla_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: jax.Array, *, dtype=None,
-                  causal_blocks: bool = False) -> jax.Array:
+                  causal_blocks: bool = False, scale: float | None = None) -> jax.Array:
     """Attention with dense float32 scores `[b, k, t*r, s]` under a boolean `mask_bts`.
 
     `causal_blocks` says that `mask_bts` hides every key after its query (`t == s`): then, from
@@ -107,6 +109,7 @@ def xla_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_
     b, t, n, h = q_btnh.shape
     k = k_bskh.shape[2]
     r = n // k
+    scale = h ** -0.5 if scale is None else scale
     # 4-D batched matmuls over (batch, kv head): the CPU backend runs them with fewer transposing copies
     # than a 5-D einsum (bench/train.py).
     q_bkqh = q_btnh.reshape(b, t, k, r, h).transpose(0, 2, 1, 3, 4).reshape(b, k, t * r, h)
@@ -123,20 +126,20 @@ def xla_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_
         out_bkqh = jnp.concatenate([
             _attend(q_blocks[j], k32_bksh[:, :, :(j + 1) * tb].astype(dtype),
                     v32_bksh[:, :, :(j + 1) * tb].astype(dtype), mask_bts[:, j * tb:(j + 1) * tb, :(j + 1) * tb], r,
-                    dtype)
+                    dtype, scale)
             for j in range(CAUSAL_BLOCKS)], axis=2)
     else:
-        out_bkqh = _attend(q_bkqh, k_bksh, v_bksh, mask_bts, r, dtype)
+        out_bkqh = _attend(q_bkqh, k_bksh, v_bksh, mask_bts, r, dtype, scale)
     return out_bkqh.reshape(b, k, t, r, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
 
-def _attend(q_bkqh, k_bksh, v_bksh, mask_bts, r: int, dtype):
+def _attend(q_bkqh, k_bksh, v_bksh, mask_bts, r: int, dtype, scale: float):
     """Softmax attention of query rows `(t, r)` over keys `s`, float32 scores and softmax."""
     b, k, q, h = q_bkqh.shape
     t, s = mask_bts.shape[1:]
     # Both matmuls take operands of the compute dtype and accumulate in float32 (jaxmodel.matmul), their
     # gradients too; the scores stay float32, the output is rounded to the compute dtype.
-    scores_bkqs = einsum_acc32("bkqh,bksh->bkqs", q_bkqh, k_bksh) * (h ** -0.5)
+    scores_bkqs = einsum_acc32("bkqh,bksh->bkqs", q_bkqh, k_bksh) * scale
     mask_bkqs = jnp.broadcast_to(mask_bts[:, None, :, None, :], (b, k, t, r, s)).reshape(b, k, q, s)
     scores_bkqs = jnp.where(mask_bkqs, scores_bkqs, jnp.finfo(jnp.float32).min)
     probs_bkqs = _probabilities(scores_bkqs, dtype)
@@ -174,7 +177,8 @@ _probabilities.defvjp(_probabilities_fwd, _probabilities_bwd)
 def blockwise_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
                         q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                         q_offset: int | jax.Array = 0, window: int | jax.Array | None = None, dtype=None,
-                        block_q: int | None = None, block_kv: int | None = None) -> jax.Array:
+                        block_q: int | None = None, block_kv: int | None = None,
+                        scale: float | None = None) -> jax.Array:
     """Attention `[b, t, n, h]` computed `block_q` query positions by `block_kv` keys at a time (default
     BLOCK_Q, BLOCK_KV), keeping only the output and per-row log-sum-exp; key blocks wholly after a query
     block, or wholly before its window, are never computed."""
@@ -198,7 +202,9 @@ def blockwise_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
     kv_seg_mbs = kv_seg_bs.reshape(b, nk, bk).transpose(1, 0, 2)
     # No window: one wider than every key distance, so that one set of block ranges serves both.
     window = jnp.asarray(nk * bk + q_offset + 1 if window is None else window, jnp.int32)
-    out_nbkqh = _flash(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, jnp.asarray(q_offset, jnp.int32), window, t)
+    scale = h ** -0.5 if scale is None else float(scale)
+    out_nbkqh = _flash(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, jnp.asarray(q_offset, jnp.int32), window, t,
+                       scale)
     out_btnh = out_nbkqh.reshape(nq, b, k, bq, r, h).transpose(1, 0, 3, 2, 4, 5).reshape(b, nq * bq, n, h)
     return out_btnh[:, :t]
 
@@ -224,11 +230,11 @@ def _block_ranges(q_offset, window, nq: int, bq: int, nk: int, bk: int, q_len: i
             q_end_m.astype(jnp.int32))
 
 
-def _masked_scores(q_bkqh, k_bksh, q_seg_bt, kv_seg_bs, i, j, q_offset, window):
+def _masked_scores(q_bkqh, k_bksh, q_seg_bt, kv_seg_bs, i, j, q_offset, window, scale: float):
     """float32 scores `[b, k, q, s]` of query block i against key block j, hidden keys set to NEG."""
     b, k, rows, h = q_bkqh.shape
     bq, bk = q_seg_bt.shape[1], kv_seg_bs.shape[1]
-    scores_bkqs = jnp.einsum("bkqh,bksh->bkqs", q_bkqh, k_bksh, preferred_element_type=jnp.float32) * (h ** -0.5)
+    scores_bkqs = jnp.einsum("bkqh,bksh->bkqs", q_bkqh, k_bksh, preferred_element_type=jnp.float32) * scale
     causal_ts = _visible_by_index(i * bq + jnp.arange(bq), j * bk + jnp.arange(bk), q_offset, window)
     visible_bts = (q_seg_bt[:, :, None] == kv_seg_bs[:, None, :]) & (kv_seg_bs != 0)[:, None, :] & causal_ts
     # The mask is per position; the rows (t, r) of a kv head share it.
@@ -237,7 +243,7 @@ def _masked_scores(q_bkqh, k_bksh, q_seg_bt, kv_seg_bs, i, j, q_offset, window):
     return scores_bktrs.reshape(b, k, rows, bk)
 
 
-def _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, q_len: int):
+def _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, q_len: int, scale: float):
     """Online softmax over key blocks: output `[nq, b, k, q, h]` and float32 log-sum-exp `[nq, b, k, q]`."""
     nq, b, k, rows, h = q_nbkqh.shape
     nk, bq, bk = k_mbksh.shape[0], q_seg_nbt.shape[2], k_mbksh.shape[3]
@@ -249,7 +255,7 @@ def _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, w
 
         def key_block(j, carry):
             max_bkq, sum_bkq, acc_bkqh = carry
-            scores_bkqs = _masked_scores(q_bkqh, k_mbksh[j], q_seg_bt, kv_seg_mbs[j], i, j, q_offset, window)
+            scores_bkqs = _masked_scores(q_bkqh, k_mbksh[j], q_seg_bt, kv_seg_mbs[j], i, j, q_offset, window, scale)
             new_max_bkq = jnp.maximum(max_bkq, scores_bkqs.max(axis=-1))
             # A row with no visible key yet is shifted by 0, not NEG, so that its exp(NEG - shift) is 0.
             shift_bkq = jnp.where(new_max_bkq == _NEG, 0.0, new_max_bkq)
@@ -276,12 +282,12 @@ def _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, w
     return out_nbkqh, lse_nbkq
 
 
-def _flash_backward(q_len: int, residuals, dout_nbkqh):
+def _flash_backward(q_len: int, scale: float, residuals, dout_nbkqh):
     """FlashAttention-2's backward: per key block, the query blocks that see it recompute their scores."""
     q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, out_nbkqh, lse_nbkq = residuals
     nq, b, k, rows, h = q_nbkqh.shape
     nk, bq, bk = k_mbksh.shape[0], q_seg_nbt.shape[2], k_mbksh.shape[3]
-    dtype, scale = q_nbkqh.dtype, h ** -0.5
+    dtype = q_nbkqh.dtype
     _, _, q_start_m, q_end_m = _block_ranges(q_offset, window, nq, bq, nk, bk, q_len)
     dout_nbkqh = dout_nbkqh.astype(dtype)
     # D = rowsum(dO * O) = sum_j P_ij dP_ij, the softmax backward's row term.
@@ -293,7 +299,7 @@ def _flash_backward(q_len: int, residuals, dout_nbkqh):
         def query_block(i, carry):
             dq_nbkqh, dk_bksh, dv_bksh = carry
             q_bkqh, dout_bkqh = q_nbkqh[i], dout_nbkqh[i]
-            scores_bkqs = _masked_scores(q_bkqh, k_bksh, q_seg_nbt[i], kv_seg_bs, i, j, q_offset, window)
+            scores_bkqs = _masked_scores(q_bkqh, k_bksh, q_seg_nbt[i], kv_seg_bs, i, j, q_offset, window, scale)
             p_bkqs = jnp.exp(scores_bkqs - lse_nbkq[i][..., None])
             dv_bksh += gradient_einsum("bkqs,bkqh->bksh", p_bkqs.astype(dtype), dout_bkqh)
             dp_bkqs = jnp.einsum("bkqh,bksh->bkqs", dout_bkqh, v_bksh, preferred_element_type=jnp.float32)
@@ -314,13 +320,14 @@ def _flash_backward(q_len: int, residuals, dout_nbkqh):
             None, None, None, None)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _flash(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, q_len: int):
-    return _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, q_len)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _flash(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, q_len: int, scale: float):
+    return _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, q_len, scale)[0]
 
 
-def _flash_fwd(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, q_len: int):
-    out_nbkqh, lse_nbkq = _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, q_len)
+def _flash_fwd(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, q_len: int, scale: float):
+    out_nbkqh, lse_nbkq = _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, q_len,
+                                         scale)
     return out_nbkqh, (q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, out_nbkqh, lse_nbkq)
 
 

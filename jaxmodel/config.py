@@ -11,7 +11,9 @@ from typing import Any, Mapping
 from jaxmodel.errors import UserError
 from jaxmodel.families import FAMILIES, Family
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# transformers' ACT2FN names of the MLP's gate activations the decoder runs
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 class ConfigError(ValueError, UserError):
@@ -20,7 +22,8 @@ class ConfigError(ValueError, UserError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding parameters; the llama3 fields are used only when `type == "llama3"`."""
+    """Rotary embedding parameters: `factor` divides every frequency when `type == "linear"`; the other fields are
+    used only when `type == "llama3"`."""
 
     type: str = "default"
     theta: float = 10000.0
@@ -29,13 +32,28 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
 
+    def to_hf(self) -> dict[str, Any]:
+        """As transformers 5 spells one `rope_parameters`."""
+        params: dict[str, Any] = {"rope_type": self.type, "rope_theta": self.theta}
+        if self.type == "linear":
+            params["factor"] = self.factor
+        if self.type == "llama3":
+            params.update(factor=self.factor, low_freq_factor=self.low_freq_factor,
+                          high_freq_factor=self.high_freq_factor,
+                          original_max_position_embeddings=self.original_max_position_embeddings)
+        return params
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The decoder's shape and its switches. `model_type` names the family (`jaxmodel.families`), which sets the
     switches from its config.json: biases (`qkv_bias` on q, k and v, `o_bias` on o, `mlp_bias`), `qk_norm` (an
     RMSNorm over head_dim on each query and key head before RoPE) and sliding-window attention (`sliding_window`
-    keys, on the layers `sliding_layers` marks; none when `sliding_layers` is empty)."""
+    keys, on the layers `sliding_layers` marks; none when `sliding_layers` is empty), `local_rope` (the RoPE of
+    the windowed layers, when not `rope`), `hidden_act` (the MLP gate's activation), `norm_unit_offset` (every
+    RMSNorm scales by `1 + weight`), `sandwich_norms` (attention's and the MLP's outputs normed too, before the
+    residual add), `scale_embeddings` (the input embeddings times sqrt(hidden_size); the tied head is not) and
+    `query_pre_attn_scalar` (attention scores scaled by its inverse square root instead of head_dim's)."""
 
     vocab_size: int
     hidden_size: int
@@ -55,6 +73,12 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = ()
+    local_rope: RopeConfig | None = None
+    hidden_act: str = "silu"
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -72,6 +96,13 @@ class ModelConfig:
         if self.sliding_layers and (len(self.sliding_layers) != self.num_hidden_layers or not self.sliding_window):
             raise ConfigError(f"sliding_layers needs one flag per layer ({self.num_hidden_layers}) and a "
                               f"positive sliding_window, got {len(self.sliding_layers)} and {self.sliding_window}")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ConfigError(f"hidden_act={self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of every attention score `q . k`."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def family(self) -> Family:
@@ -117,18 +148,10 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The config as a transformers 5 `config.json` dict of its family (for tiny test models and merged exports)."""
-        rope: dict[str, Any] = {"rope_type": self.rope.type, "rope_theta": self.rope.theta}
-        if self.rope.type == "llama3":
-            rope.update(
-                factor=self.rope.factor,
-                low_freq_factor=self.rope.low_freq_factor,
-                high_freq_factor=self.rope.high_freq_factor,
-                original_max_position_embeddings=self.rope.original_max_position_embeddings,
-            )
         eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
-        return {
-            "architectures": [self.family.architecture],
-            "model_type": self.model_type,
+        architecture = {"architectures": [self.family.architecture], "model_type": self.model_type}
+        decoder = {
+            **architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -138,14 +161,20 @@ class ModelConfig:
             "head_dim": self.head_dim,
             "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": rope,
+            "rope_parameters": self.rope.to_hf(),
             "tie_word_embeddings": self.tie_word_embeddings,
-            **self.family.write(self),
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": eos,
             "pad_token_id": self.pad_token_id,
+            **self.family.write(self),
         }
+        if self.family.text_config is None:
+            return decoder
+        # a multimodal class: the decoder under its text_config (transformers fills in the rest with its defaults)
+        text = {k: v for k, v in decoder.items() if k != "architectures"}
+        return {**architecture, "tie_word_embeddings": self.tie_word_embeddings,
+                self.family.text_config: {**text, "model_type": self.family.text_model_type}}
 
 
 class Fields:
@@ -169,6 +198,10 @@ class Fields:
             raise self.error(f"field '{name}' must be {names}, got {value!r}")
         return value
 
+    def rope(self, params: dict[str, Any], field: str) -> RopeConfig:
+        """One RoPE's parameters (`rope_type`, `rope_theta`, its type's fields), `field` naming them in errors."""
+        return _rope(params, self.where, field)
+
     def positive(self, name: str, default: Any = dataclasses.MISSING) -> int:
         value = self.get(name, int, default)
         if value <= 0:
@@ -176,14 +209,25 @@ class Fields:
         return value
 
 
+# Fields a multimodal config keeps outside its text_config, which its decoder takes when text_config has none.
+OUTER_FIELDS = ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
 def _parse(raw: dict[str, Any], where: str) -> ModelConfig:
     fields = Fields(raw, where)
     model_type = raw.get("model_type")
     if model_type not in FAMILIES:
         raise fields.error(f"field 'model_type' is {model_type!r}; supported: {', '.join(FAMILIES)}")
+    family = FAMILIES[model_type]
+    if family.text_config is not None:  # a multimodal config: its decoder is described under text_config
+        text = fields.get(family.text_config, dict, {})
+        raw = {**{k: raw[k] for k in OUTER_FIELDS if k in raw}, **text, "model_type": model_type}
+        fields = Fields(raw, f"{where}: {family.text_config}")
+    raw = {**dict(family.defaults), **raw}
+    fields.raw = raw
     act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise fields.error(f"field 'hidden_act' is {act!r}; {model_type} uses 'silu'")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise fields.error(f"field 'hidden_act' is {act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
 
     hidden = fields.positive("hidden_size")
     heads = fields.positive("num_attention_heads")
@@ -210,8 +254,9 @@ def _parse(raw: dict[str, Any], where: str) -> ModelConfig:
         bos_token_id=fields.get("bos_token_id", int, None),
         eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
         pad_token_id=fields.get("pad_token_id", int, None),
+        hidden_act=act,
     )
-    return ModelConfig(**{**values, **FAMILIES[model_type].read(fields)})
+    return ModelConfig(**{**values, **family.read(fields)})
 
 
 def _parse_rope(raw: dict[str, Any], where: str) -> RopeConfig:
@@ -223,8 +268,12 @@ def _parse_rope(raw: dict[str, Any], where: str) -> RopeConfig:
         field_name = "rope_scaling"
         params = dict(raw.get("rope_scaling") or {})
         params["rope_theta"] = raw.get("rope_theta", 10000.0)
+    return _rope(params, where, field_name)
+
+
+def _rope(params: dict[str, Any], where: str, field_name: str) -> RopeConfig:
     if not isinstance(params.get("rope_theta"), (int, float)) or params["rope_theta"] <= 0:
-        raise ConfigError(f"{where}: field 'rope_theta' must be a positive number, got {params['rope_theta']!r}")
+        raise ConfigError(f"{where}: field 'rope_theta' must be a positive number, got {params.get('rope_theta')!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(
@@ -233,6 +282,11 @@ def _parse_rope(raw: dict[str, Any], where: str) -> RopeConfig:
     theta = float(params["rope_theta"])
     if rope_type == "default":
         return RopeConfig(type="default", theta=theta)
+    if rope_type == "linear":
+        factor = params.get("factor")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
+            raise ConfigError(f"{where}: field '{field_name}.factor' must be a positive number, got {factor!r}")
+        return RopeConfig(type="linear", theta=theta, factor=float(factor))
     values = {}
     for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
         value = params.get(key)

@@ -60,9 +60,9 @@ _gather_sequence.defvjp(_gather_fwd, _gather_bwd)
 
 
 def context_parallel_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, *, segment_ids_bt,
-                               impl: str, window=None, dtype=None) -> jax.Array:
-    """Causal attention of a cp-layout sequence split over `cp`; `segment_ids_bt` (0 = padding) and `window`
-    as in `jaxmodel.attention.attention`. Returns `[b, t, n, h]` in the cp layout."""
+                               impl: str, window=None, dtype=None, scale: float | None = None) -> jax.Array:
+    """Causal attention of a cp-layout sequence split over `cp`; `segment_ids_bt` (0 = padding), `window` and
+    `scale` as in `jaxmodel.attention.attention`. Returns `[b, t, n, h]` in the cp layout."""
     cp = cp_size()
     t = q_btnh.shape[1]
     back_to_original = np.argsort(cp_order(t, cp))  # gathered (cp layout) -> original order
@@ -78,7 +78,7 @@ def context_parallel_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax
             rows = slice(half * chunk, (half + 1) * chunk)
             halves.append(attention(q_btnh[:, rows], k_all, v_all, q_segment_ids=seg_bt[:, rows],
                                     kv_segment_ids=seg_all, q_offset=chunk_index * chunk, window=window, impl=impl,
-                                    dtype=dtype))
+                                    dtype=dtype, scale=scale))
         return jnp.concatenate(halves, axis=1)
 
     spec = PartitionSpec(None, AXIS)

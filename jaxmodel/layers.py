@@ -145,12 +145,15 @@ class Embed(nnx.Module):
     """Token embedding table `weight: [vocab, hidden]` (also the LM head when embeddings are tied)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 scale: float | None = None, rngs: nnx.Rngs):
+        """`scale` multiplies the looked-up rows (rounded to the table's dtype first, as Gemma does), not the
+        table when it serves as the tied LM head."""
         self.weight = nnx.Param(
             INIT_STD * jax.random.normal(rngs.params(), (vocab_size, hidden_size), param_dtype),
             axes=("vocab", "embed"),
         )
         self.dtype = dtype
+        self.scale = scale
 
     def __call__(self, ids_bt: jax.Array, rules: Rules = DEFAULT_RULES) -> jax.Array:
         # Rows gathered from a table split along both dimensions come out split along the hidden one, and
@@ -159,16 +162,23 @@ class Embed(nnx.Module):
         # vocab-split table: a masked gather plus an all-reduce over `mp`.
         with jax.named_scope(scopes.EMBEDDING):
             table = constrain(self.weight[...], ("vocab", None), rules)
-            return jnp.take(table, ids_bt, axis=0).astype(self.dtype)
+            rows = jnp.take(table, ids_bt, axis=0)
+            if self.scale is not None:
+                rows = rows * jnp.asarray(self.scale, rows.dtype)
+            return rows.astype(self.dtype)
 
 
 class RMSNorm(nnx.Module):
-    """transformers' LlamaRMSNorm: normalise in float32, cast back to the input dtype, then scale."""
+    """transformers' LlamaRMSNorm: normalise in float32, cast back to the input dtype, then scale. With
+    `unit_offset` the scale is `1 + weight` (Gemma's RMSNorm; its weight starts at 0)."""
 
-    def __init__(self, size: int, *, eps: float, layers: int | None = None, param_dtype=jnp.float32):
+    def __init__(self, size: int, *, eps: float, layers: int | None = None, param_dtype=jnp.float32,
+                 unit_offset: bool = False):
         shape, names = _stacked(layers, (size,), ("norm",))
-        self.weight = nnx.Param(jnp.ones(shape, param_dtype), axes=names)
+        init = jnp.zeros if unit_offset else jnp.ones
+        self.weight = nnx.Param(init(shape, param_dtype), axes=names)
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # transformers rounds the normalised value to x's dtype before scaling it; here the scaling is in float32
@@ -176,15 +186,23 @@ class RMSNorm(nnx.Module):
         with jax.named_scope(scopes.RMS_NORM):
             h = x.astype(jnp.float32)
             h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
-            return (self.weight[...].astype(jnp.float32) * h).astype(x.dtype)
+            scale = self.weight[...].astype(jnp.float32)
+            if self.unit_offset:
+                scale = 1.0 + scale
+            return (scale * h).astype(x.dtype)
 
 
-def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """`silu(gate) * up`, computed in float32 and rounded once to the inputs' dtype.
+# The MLP gate's activations by transformers' ACT2FN name (`jaxmodel.config.SUPPORTED_ACTIVATIONS`).
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+def swiglu(gate: jax.Array, up: jax.Array, activation: str = "silu") -> jax.Array:
+    """`act(gate) * up` (`silu` by default: SwiGLU; GeGLU with "gelu_pytorch_tanh"), computed in float32 and rounded
+    once to the inputs' dtype.
 
     Why float32 inside: XLA:CPU runs each bf16 operation as a float32 one between two conversions, so the product's
     operations, their recomputation under remat and their gradients cost more in bf16 than in float32. Rounding
     once is what a fused GPU kernel does, and is within half a bf16 spacing of the exact product."""
     with jax.named_scope(scopes.SWIGLU):
         g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
-        return (jax.nn.silu(g) * u).astype(jnp.promote_types(gate.dtype, up.dtype))
+        return (ACTIVATIONS[activation](g) * u).astype(jnp.promote_types(gate.dtype, up.dtype))

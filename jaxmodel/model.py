@@ -1,5 +1,6 @@
 """The decoder-only causal LM as Flax NNX modules, numerically transformers' class of each family
-(`jaxmodel.families`: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM).
+(`jaxmodel.families`: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+Gemma3ForCausalLM).
 
 Shapes: b batch, t query positions, s key positions, d hidden, n query heads, k kv heads,
 r = n // k query heads per kv head, h head_dim, f intermediate, v vocab, l layers.
@@ -68,8 +69,9 @@ class Attention(nnx.Module):
         self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, axes=("kv_heads", "embed"), **qkv)
         self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, axes=("embed", "heads"), **o)
         if c.qk_norm:  # one weight over head_dim, shared by every head
-            self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, layers=layers, param_dtype=param_dtype)
-            self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, layers=layers, param_dtype=param_dtype)
+            norm = dict(eps=c.rms_norm_eps, layers=layers, param_dtype=param_dtype, unit_offset=c.norm_unit_offset)
+            self.q_norm = RMSNorm(c.head_dim, **norm)
+            self.k_norm = RMSNorm(c.head_dim, **norm)
         else:
             self.q_norm = self.k_norm = None
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -101,7 +103,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+    """A gated MLP: `down(act(gate(x)) * up(x))`, SwiGLU with `silu`."""
 
     def __init__(self, config: ModelConfig, *, layers: int | None, dtype, param_dtype,
                  quantization: Quantization | None = None, rngs: nnx.Rngs):
@@ -111,6 +113,7 @@ class MLP(nnx.Module):
         self.gate_proj = Linear(c.hidden_size, c.intermediate_size, axes=("mlp", "embed"), **kw)
         self.up_proj = Linear(c.hidden_size, c.intermediate_size, axes=("mlp", "embed"), **kw)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, axes=("embed", "mlp"), **kw)
+        self.activation = c.hidden_act
 
     def __call__(self, x_btd, key=None, chunk: int = 0):
         """With `chunk`, tokens go through in chunks of `chunk` positions per device (a scan with remat), so
@@ -132,25 +135,40 @@ class MLP(nnx.Module):
 
     def _swiglu(self, x, key=None):
         keys = _split(key, 3)
-        return self.down_proj(swiglu(self.gate_proj(x, keys[0]), self.up_proj(x, keys[1])), keys[2])
+        return self.down_proj(swiglu(self.gate_proj(x, keys[0]), self.up_proj(x, keys[1]), self.activation), keys[2])
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm residual blocks, attention then the MLP: `input_layernorm` before attention and
+    `post_attention_layernorm` before the MLP (Llama's names). With `sandwich_norms`, `attn_output_norm` and
+    `mlp_output_norm` norm each block's output before its residual add too."""
+
     def __init__(self, config: ModelConfig, *, layers: int | None = None, dtype, param_dtype,
                  quantization: Quantization | None = None, rngs: nnx.Rngs):
         kw = dict(layers=layers, dtype=dtype, param_dtype=param_dtype, quantization=quantization, rngs=rngs)
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, layers=layers, param_dtype=param_dtype)
+        d = config.hidden_size
+        norm = dict(eps=config.rms_norm_eps, layers=layers, param_dtype=param_dtype,
+                    unit_offset=config.norm_unit_offset)
+        self.input_layernorm = RMSNorm(d, **norm)
         self.self_attn = Attention(config, **kw)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, layers=layers, param_dtype=param_dtype)
+        self.post_attention_layernorm = RMSNorm(d, **norm)
         self.mlp = MLP(config, **kw)
+        if config.sandwich_norms:
+            self.attn_output_norm, self.mlp_output_norm = RMSNorm(d, **norm), RMSNorm(d, **norm)
+        else:
+            self.attn_output_norm = self.mlp_output_norm = None
 
     def __call__(self, x_btd, cos_bth, sin_bth, mask: dict, kv, cache_index, key=None, mlp_chunk: int = 0):
         attn_key, mlp_key = _split(key, 2)
         attn_btd, kv = self.self_attn(self.input_layernorm(x_btd), cos_bth, sin_bth, mask, kv, cache_index,
                                       attn_key)
+        if self.attn_output_norm is not None:
+            attn_btd = self.attn_output_norm(attn_btd)
         h_btd = x_btd + attn_btd
-        return h_btd + self.mlp(self.post_attention_layernorm(h_btd), mlp_key, mlp_chunk), kv
+        mlp_btd = self.mlp(self.post_attention_layernorm(h_btd), mlp_key, mlp_chunk)
+        if self.mlp_output_norm is not None:
+            mlp_btd = self.mlp_output_norm(mlp_btd)
+        return h_btd + mlp_btd, kv
 
 
 class CausalLM(nnx.Module):
@@ -177,10 +195,11 @@ class CausalLM(nnx.Module):
         self.quantization = quantization
         self.rules = tuple(rules)  # logical axes -> mesh axes, for activations under a mesh
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
-                                  rngs=rngs)
+                                  scale=config.hidden_size ** 0.5 if config.scale_embeddings else None, rngs=rngs)
         self.layers = DecoderLayer(config, layers=config.num_hidden_layers, dtype=dtype, param_dtype=param_dtype,
                                    quantization=quantization, rngs=rngs)
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype,
+                            unit_offset=config.norm_unit_offset)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -272,7 +291,15 @@ class CausalLM(nnx.Module):
     def _layers(self, input_ids, positions, mask: dict, cache: KVCache | None, cache_index, dropout_key=None):
         """The decoder stack: hidden states `[b, t, d]` before the final norm, and the updated cache."""
         c = self.config
+        if c.query_pre_attn_scalar is not None:
+            mask = {**mask, "scale": c.attention_scale}
         cos_bth, sin_bth = cos_sin(positions, inv_freq(c.rope, c.head_dim), self.dtype)
+        # The windowed layers take local_rope, where it differs, by a scanned flag.
+        if c.local_rope not in (None, c.rope) and any(c.layer_windows()):
+            local_cos_sin = cos_sin(positions, inv_freq(c.local_rope, c.head_dim), self.dtype)
+            local_xs = np.asarray([w > 0 for w in c.layer_windows()])
+        else:
+            local_cos_sin, local_xs = None, None
         h_btd = constrain(self.embed_tokens(input_ids, self.rules), ("act_batch", "act_seq", "act_embed"), self.rules)
         graphdef, lora_state, frozen_state = nnx.split(self.layers, LoRAParam, ...)
         # The frozen weights cross the scan as the integers of their bits when they are 16-bit floats: XLA:CPU
@@ -288,11 +315,13 @@ class CausalLM(nnx.Module):
         window_xs = np.asarray([w or FULL_WINDOW for w in windows], np.int32) if any(windows) else None
 
         def layer_step(h_btd, xs):
-            (lora, frozen), kv, key, window = xs
+            (lora, frozen), kv, key, window, local = xs
             frozen = jax.tree.map(_from_bits, frozen, dtypes)
             h_btd = checkpoint_name(h_btd, "layer_input")
             layer_mask = mask if window is None else {**mask, "window": window}
-            h_btd, kv = nnx.merge(graphdef, lora, frozen)(h_btd, cos_bth, sin_bth, layer_mask, kv, cache_index, key,
+            cos, sin = (cos_bth, sin_bth) if local is None else (
+                jnp.where(local, local_cos_sin[0], cos_bth), jnp.where(local, local_cos_sin[1], sin_bth))
+            h_btd, kv = nnx.merge(graphdef, lora, frozen)(h_btd, cos, sin, layer_mask, kv, cache_index, key,
                                                           self.mlp_chunk)
             return constrain(h_btd, act, self.rules), kv
 
@@ -301,7 +330,8 @@ class CausalLM(nnx.Module):
             layer_step = jax.checkpoint(layer_step, policy=policy, prevent_cse=False)
         kv_xs = None if cache is None else (cache.k, cache.v)
         layer_keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_hidden_layers)
-        h_btd, kv_ys = jax.lax.scan(layer_step, h_btd, ((lora_state, frozen_bits), kv_xs, layer_keys, window_xs))
+        h_btd, kv_ys = jax.lax.scan(layer_step, h_btd,
+                                    ((lora_state, frozen_bits), kv_xs, layer_keys, window_xs, local_xs))
         return h_btd, (None if cache is None else KVCache(*kv_ys))
 
 

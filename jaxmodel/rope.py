@@ -26,6 +26,8 @@ def inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     inv = f32(1.0) / base_pow
     if rope.type == "default":
         return inv
+    if rope.type == "linear":
+        return inv / f32(rope.factor)
     # Python-number arithmetic happens in float64 as in transformers; `scalar / tensor` is torch's
     # `tensor.reciprocal() * scalar`.
     factor = f32(rope.factor)

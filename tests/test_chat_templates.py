@@ -23,6 +23,7 @@ FAMILIES = {
     "qwen3": (["<|im_start|>", "<|im_end|>", "<think>", "</think>"], None, "<|im_end|>"),
     "mistral-large-instruct-2407": (["<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>"),
     "mistral-nemo-instruct-2407": (["<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>"),
+    "gemma3-it": (["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>"),
 }
 SYSTEM = {"role": "system", "content": "be brief"}
 TWO_TURNS = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
@@ -97,6 +98,11 @@ EXPECTED = {
         "<s>[INST] hi[/INST] hello</s>[INST] more[/INST] sure</s>", [" hello</s>", " sure</s>"]),
     ("mistral-nemo-instruct-2407", "two turns"): (
         "<s>[INST]hi[/INST]hello</s>[INST]more[/INST]sure</s>", ["hello</s>", "sure</s>"]),
+    # the system message opens the first user turn; every turn ends <end_of_turn>, the reply's included
+    ("gemma3-it", "system, two turns"): (
+        "<bos><start_of_turn>user\nbe brief\n\nhi<end_of_turn>\n<start_of_turn>model\nhello<end_of_turn>\n"
+        "<start_of_turn>user\nmore<end_of_turn>\n<start_of_turn>model\nsure<end_of_turn>\n",
+        ["hello<end_of_turn>\n", "sure<end_of_turn>\n"]),
 }
 CONVERSATIONS = {"one turn": TWO_TURNS[:2], "two turns": TWO_TURNS, "system, one turn": [SYSTEM, *TWO_TURNS[:2]],
                  "system, two turns": [SYSTEM, *TWO_TURNS]}
@@ -146,3 +152,12 @@ def test_a_preference_reply_trains_what_the_same_sft_row_trains_for_its_final_tu
     np.testing.assert_array_equal(chosen.trained, sft.trained)
     (chosen_text,) = spans(tokenizer, chosen)[1]
     assert spans(tokenizer, rejected)[1] == [chosen_text.replace("hello", "bye")]
+
+
+def test_a_template_that_raises_on_a_row_is_one_error_naming_the_row(base_tokenizer_dir):
+    """Gemma 3's template refuses roles that do not alternate user/assistant: the row is named, with its message."""
+    tokenizer = family_tokenizer(base_tokenizer_dir, "gemma3-it")
+    rows = [{"messages": TWO_TURNS[:2]}, {"messages": [TWO_TURNS[0], TWO_TURNS[2], TWO_TURNS[1]]}]
+    with pytest.raises(DataError) as info:
+        both_paths(tokenizer, rows)
+    assert str(info.value).startswith("d.jsonl:2: ") and "roles must alternate" in str(info.value)

@@ -62,7 +62,8 @@ def test_defaults_for_optional_fields():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"model_type": "gemma"}, "field 'model_type' is 'gemma'; supported: llama, mistral, qwen2, qwen3"),
+    ({"model_type": "gemma"},
+     "field 'model_type' is 'gemma'; supported: llama, mistral, qwen2, qwen3, gemma3_text, gemma3"),
     ({"hidden_act": "gelu"}, "field 'hidden_act'"),
     ({"num_key_value_heads": 3}, "'num_key_value_heads' (3) must divide num_attention_heads (32)"),
     ({"vocab_size": None}, "field 'vocab_size' is missing"),

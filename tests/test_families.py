@@ -1,7 +1,7 @@
-"""Mistral, Qwen2 and Qwen3 against transformers' own classes (MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM): config.json read and written back, logits on drawn configs (float32, bf16), padding and
-sliding windows, greedy generation, loss and LoRA gradients on meshes (blockwise attention and `cp` too), and
-the PEFT adapter and merged checkpoint a run exports."""
+"""Mistral, Qwen2, Qwen3 and Gemma 3 against transformers' own classes (MistralForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration): config.json read and written back, logits on
+drawn configs (float32, bf16), padding and sliding windows, greedy generation, loss and LoRA gradients on meshes
+(blockwise attention and `cp` too), and the PEFT adapter and merged checkpoint a run exports."""
 
 import dataclasses
 import tempfile
@@ -28,19 +28,26 @@ from jaxmodel.families import FAMILIES
 from jaxmodel.formats.hf_names import names_of
 from jaxmodel.layers import LoRAParam
 from jaxmodel.lora import LoraConfig, apply_lora
-from jaxmodel.formats.peft_adapter import save_peft_adapter
+from jaxmodel.formats.peft_adapter import load_peft_adapter, save_peft_adapter
 from test_parity import BF16_ERROR_RATIO, f32_tolerance, hf_logits, jax_logits
 
-FAMILY_TYPES = ("mistral", "qwen2", "qwen3")
-ARCHITECTURES = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+FAMILY_TYPES = ("mistral", "qwen2", "qwen3", "gemma3_text")
+ARCHITECTURES = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM"}
 
 # Each family's switches on, over demo/tiny.py's TINY_CONFIG (2 layers, GQA 4/2, head_dim 16): a window of 8 keys
-# on every layer (Mistral) or on the second (Qwen, from max_window_layers 1), Qwen3 with attention biases.
+# on every layer (Mistral) or on the second (Qwen, from max_window_layers 1), Qwen3 with attention biases, Gemma 3
+# with a window on the first layer, each kind of layer with its own RoPE (the global one scaled) and a
+# query_pre_attn_scalar that is not head_dim.
 TINY_FAMILIES = {
     "mistral": {"model_type": "mistral", "sliding_window": 8},
     "qwen2": {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
     "qwen3": {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
               "attention_bias": True},
+    "gemma3_text": {"model_type": "gemma3_text", "sliding_window": 8, "layer_types": ["sliding_attention",
+                    "full_attention"], "query_pre_attn_scalar": 12, "tie_word_embeddings": True,
+                    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
 }
 DEFAULT_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
 
@@ -55,9 +62,11 @@ def hf_model(config: dict, seed: int = 0, dtype: str = "float32"):
         for name, param in hf.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1 + 0.5 * torch.randn_like(param))
-    inv_freq = hf.model.rotary_emb.inv_freq.clone()
+    rotary = hf.model.rotary_emb  # Gemma 3 keeps one inv_freq per layer type
+    inv_freqs = {name: buffer.clone() for name, buffer in rotary.named_buffers() if name.endswith("inv_freq")}
     hf = hf.to(getattr(torch, dtype)).eval()
-    hf.model.rotary_emb.inv_freq = inv_freq
+    for name, buffer in inv_freqs.items():
+        setattr(rotary, name, buffer)
     return hf
 
 
@@ -87,6 +96,11 @@ def test_configs_read_as_transformers_reads_them_and_write_back(model_type, data
         windows = [hf.sliding_window if t == "sliding_attention" and hf.sliding_window else 0 for t in hf.layer_types]
     assert list(config.layer_windows()) == windows
     assert ModelConfig.from_hf(hf.to_dict()).layer_windows() == config.layer_windows()
+    if model_type == "gemma3_text":  # each kind of layer's RoPE, the scores' scale, the gate's activation
+        assert hf.rope_parameters == {"full_attention": config.rope.to_hf(),
+                                      "sliding_attention": config.local_rope.to_hf()}
+        assert config.attention_scale == hf.query_pre_attn_scalar ** -0.5
+        assert config.hidden_act == hf.hidden_activation and config.tie_word_embeddings == hf.tie_word_embeddings
     written = config.to_hf()
     assert written["architectures"] == [ARCHITECTURES[model_type]] and written["model_type"] == model_type
     assert ModelConfig.from_hf(written) == config
@@ -94,11 +108,22 @@ def test_configs_read_as_transformers_reads_them_and_write_back(model_type, data
 
 def test_switches_of_each_family():
     shape = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 3,
-             "num_attention_heads": 2, "attention_bias": True, "mlp_bias": True}
+             "num_attention_heads": 2, "num_key_value_heads": 2, "attention_bias": True, "mlp_bias": True}
     got = {t: ModelConfig.from_hf({"model_type": t, **shape}) for t in ("llama", *FAMILY_TYPES)}
-    switches = {t: (c.qkv_bias, c.o_bias, c.mlp_bias, c.qk_norm) for t, c in got.items()}
-    assert switches == {"llama": (True, True, True, False), "mistral": (False, False, False, False),
-                        "qwen2": (True, False, False, False), "qwen3": (True, True, False, True)}
+    switches = {t: (c.qkv_bias, c.o_bias, c.mlp_bias, c.qk_norm, c.norm_unit_offset, c.sandwich_norms,
+                    c.scale_embeddings, c.hidden_act) for t, c in got.items()}
+    llama_like = (False, False, False, "silu")
+    assert switches == {"llama": (True, True, True, False, *llama_like),
+                        "mistral": (False, False, False, False, *llama_like),
+                        "qwen2": (True, False, False, False, *llama_like),
+                        "qwen3": (True, True, False, True, *llama_like),
+                        "gemma3_text": (True, True, False, True, True, True, True, "gelu_pytorch_tanh")}
+    # Gemma 3's defaults as transformers' Gemma3TextConfig: every sixth layer global, window 4096, head_dim 256
+    gemma = got["gemma3_text"]
+    assert gemma.layer_windows() == (4096,) * 3 and gemma.head_dim == 256 and gemma.attention_scale == 256 ** -0.5
+    assert (gemma.rope.theta, gemma.local_rope.theta, gemma.tie_word_embeddings) == (1e6, 1e4, True)
+    six = ModelConfig.from_hf({"model_type": "gemma3_text", **shape, "num_hidden_layers": 7})
+    assert six.layer_windows() == (4096,) * 5 + (0, 4096)
     assert got["qwen3"].head_dim == 128  # transformers' Qwen3Config default
     # Qwen's configs carry a window that only use_sliding_window switches on
     qwen = {"model_type": "qwen2", **shape, "sliding_window": 4, "max_window_layers": 1}
@@ -113,7 +138,17 @@ def test_switches_of_each_family():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"model_type": "gemma3"}, "field 'model_type' is 'gemma3'; supported: llama, mistral, qwen2, qwen3"),
+    ({"model_type": "gemma2"},
+     "field 'model_type' is 'gemma2'; supported: llama, mistral, qwen2, qwen3, gemma3_text, gemma3"),
+    ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0},
+     "field 'final_logit_softcapping' is 30.0; Gemma 3 has none (null)"),
+    ({"model_type": "gemma3_text", "sliding_window": None}, "field 'sliding_window' must be a positive integer"),
+    ({"model_type": "gemma3_text", "hidden_activation": "relu"},
+     "field 'hidden_activation' is 'relu'; supported: gelu_pytorch_tanh, silu"),
+    ({"model_type": "gemma3_text", "rope_parameters": {"global": {"rope_theta": 1e6}}},
+     "field 'rope_parameters' must map full_attention and sliding_attention to their RoPE"),
+    ({"model_type": "gemma3_text", "rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1.0}}},
+     "field 'rope_parameters.full_attention.rope_type' is 'yarn'; supported: default, linear, llama3"),
     ({"model_type": "mistral", "sliding_window": 0}, "field 'sliding_window' must be a positive integer or null"),
     ({"model_type": "qwen2", "use_sliding_window": True, "layer_types": ["full_attention"]},
      "field 'layer_types' must list 2 of full_attention, sliding_attention"),
@@ -121,7 +156,7 @@ def test_switches_of_each_family():
 ])
 def test_bad_family_fields_are_named(change, message):
     raw = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
-           "num_attention_heads": 2, "head_dim": 4, **change}
+           "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 4, **change}
     with pytest.raises(ConfigError, match="^config: ") as info:
         ModelConfig.from_hf(raw)
     assert message in str(info.value)
@@ -357,3 +392,103 @@ def test_an_nf4_qwen3_base_is_the_in_memory_quantized_model_and_trains(tmp_path)
     base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     peft = PeftModel.from_pretrained(base, tmp_path / "adapter")
     assert len([n for n, _ in peft.named_parameters() if "lora_A" in n]) == 2 * 7  # 2 layers x 7 projections
+
+
+# ----------------------------------------------------------------------------------------------------
+# Gemma 3's multimodal class (4B and up): the decoder under text_config, beside a vision tower
+
+# Gemma 3 27B's config.json as published, less its vision_config: its text_config leaves out what transformers'
+# Gemma3TextConfig defaults (vocab_size among them).
+GEMMA3_27B = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "boi_token_index": 255999,
+    "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144, "mm_tokens_per_image": 256,
+    "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504, "model_type": "gemma3_text",
+                    "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
+                    "query_pre_attn_scalar": 168, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+}
+TINY_VISION = {"model_type": "siglip_vision_model", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+               "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+
+
+def test_a_multimodal_config_is_read_from_its_text_config_as_transformers_reads_it():
+    from transformers import Gemma3Config
+
+    config = ModelConfig.from_hf(GEMMA3_27B)
+    hf = Gemma3Config(**{k: v for k, v in GEMMA3_27B.items() if k != "model_type"}).text_config
+    assert (config.model_type, config.family.architecture) == ("gemma3", "Gemma3ForConditionalGeneration")
+    assert (config.vocab_size, config.hidden_size, config.num_hidden_layers) == (262_208, 5376, 62)
+    assert config.vocab_size == hf.vocab_size and config.head_dim == hf.head_dim
+    windows = [hf.sliding_window if t == "sliding_attention" else 0 for t in hf.layer_types]
+    assert list(config.layer_windows()) == windows and windows.count(0) == 10
+    assert hf.rope_parameters == {"full_attention": config.rope.to_hf(),
+                                  "sliding_attention": config.local_rope.to_hf()}
+    assert config.rope == dataclasses.replace(config.rope, type="linear", factor=8.0, theta=1e6)
+    assert config.attention_scale == 168 ** -0.5 and config.eos_token_ids == (1, 106)
+    assert ModelConfig.from_hf(config.to_hf()) == config
+    with pytest.raises(ConfigError, match=r"^config: text_config: field 'sliding_window' must be a positive integer"):
+        ModelConfig.from_hf({**GEMMA3_27B, "text_config": {**GEMMA3_27B["text_config"], "sliding_window": 0}})
+    names = names_of(config)
+    assert names.hf_to_jax("language_model.model.layers.3.self_attn.q_proj.weight") == (
+        "layers.self_attn.q_proj.weight", 3)
+    assert names.runtime_module("layers.self_attn.q_proj", 3) == "model.language_model.layers.3.self_attn.q_proj"
+    assert names.is_other("vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight")
+    assert not names.is_other("language_model.model.norm.weight")
+
+
+def build_multimodal_gemma3(out: Path, seed: int = 0) -> Path:
+    """transformers' Gemma3ForConditionalGeneration over the tiny Gemma 3 decoder, with a one-layer vision tower
+    and drawn norm weights, saved as save_pretrained writes it (tensors under language_model. and vision_tower.)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = {k: v for k, v in tiny_family("gemma3_text").items() if k not in ("model_type", "initializer_range")}
+    config = Gemma3Config(text_config=text, vision_config=TINY_VISION, mm_tokens_per_image=4,
+                          boi_token_index=509, eoi_token_index=510, image_token_index=511)
+    torch.manual_seed(seed)
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "language_model" in name and name.endswith("norm.weight"):
+                param.copy_(0.5 * torch.randn_like(param))
+    hf.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+def test_a_multimodal_gemma3_converts_its_decoder_and_its_adapter_serves_in_peft(tmp_path):
+    """The converted decoder equals Gemma3ForConditionalGeneration on text; the exported adapter, keyed by the
+    class's module names and kept off the vision tower, gives PEFT the same logits; a merge is refused."""
+    from safetensors import safe_open
+
+    from export.merge import MergeBase, MergeBaseError
+
+    hf_dir = build_multimodal_gemma3(tmp_path / "hf")
+    with safe_open(str(hf_dir / "model.safetensors"), "np") as f:
+        assert any(k.startswith("vision_tower.") for k in f.keys())  # left out by the conversion
+    convert(hf_dir, tmp_path / "jax", progress=False)
+    lora_config = LoraConfig(rank=4, alpha=8.0)
+    model = adapted(tmp_path / "jax", lora_config)
+    assert model.config.model_type == "gemma3"
+    adapter = save_peft_adapter(tmp_path / "adapter", nnx.state(model, LoRAParam), lora_config,
+                                model_config=model.config, base_model=str(hf_dir))
+    ids = np.random.default_rng(0).integers(0, 500, (2, 40))
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    assert type(base).__name__ == "Gemma3ForConditionalGeneration"
+    with torch.no_grad():
+        plain = base(torch.tensor(ids)).logits.numpy()
+        peft = PeftModel.from_pretrained(base, adapter).eval()
+        theirs = peft(torch.tensor(ids)).logits.numpy()
+        by_auto = AutoPeftModelForCausalLM.from_pretrained(adapter, dtype=torch.float32).eval()(
+            torch.tensor(ids)).logits.numpy()
+    base_jax = np.asarray(load_pretrained(tmp_path / "jax")(jnp.asarray(ids, jnp.int32)))
+    assert np.abs(base_jax - plain).max() <= f32_tolerance(plain)
+    ours = np.asarray(model(jnp.asarray(ids, jnp.int32)))
+    assert np.abs(theirs - plain).max() > 1e-3
+    assert np.abs(ours - theirs).max() <= f32_tolerance(theirs)
+    assert np.abs(by_auto - theirs).max() <= f32_tolerance(theirs)
+    read_back = load_peft_adapter(load_pretrained(tmp_path / "jax"), adapter)
+    np.testing.assert_array_equal(np.asarray(read_back(jnp.asarray(ids, jnp.int32))), ours)
+    adapted_modules = [n for n, _ in peft.named_modules() if n.endswith(".lora_A")]
+    assert len(adapted_modules) == 2 * 7 and all(".language_model." in n for n in adapted_modules)
+    with pytest.raises(MergeBaseError, match="weights outside its decoder"):
+        MergeBase(tmp_path / "jax")

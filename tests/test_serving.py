@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import pretrained
+from jaxmodel.config import ModelConfig
 
 VLLM_PYTHON = os.environ.get("LLAMA_JAX_VLLM_PYTHON")
 pytestmark = [pytest.mark.slow, pytest.mark.e2e,
@@ -214,6 +215,12 @@ FAMILY_MODELS = {
     "mistral": {"model_type": "mistral", "sliding_window": None},
     "qwen2": {"model_type": "qwen2", "use_sliding_window": False},
     "qwen3": {"model_type": "qwen3", "use_sliding_window": False, "attention_bias": False},
+    # Gemma 3 with a window of 4 keys on its first layer (vLLM builds per-layer windows for it), both RoPEs, the
+    # global one scaled, and a query_pre_attn_scalar that is not head_dim
+    "gemma3_text": {"model_type": "gemma3_text", "sliding_window": 4, "layer_types": ["sliding_attention",
+                    "full_attention"], "query_pre_attn_scalar": 48, "tie_word_embeddings": True,
+                    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
 }
 
 
@@ -249,6 +256,7 @@ def test_a_familys_adapter_is_served_as_peft_serves_it(tmp_path, model_type):
     convert(hf, tmp_path / "jax", progress=False)
     adapter, warnings = export_with_warnings(tmp_path / "jax", tmp_path)
     assert warnings == []
+    assert ModelConfig.from_hf(hf).model_type == model_type
     tuned, base = peft_logprobs(hf, adapter)
     expected = peft_greedy_continuation(hf, adapter, PROMPT, 16)
     with vllm_server(hf, "--lora-modules", f"tuned={adapter}", log=tmp_path / "vllm.log") as url:

@@ -38,11 +38,22 @@ def test_an_lm_head_target_is_named_with_the_merge():
     assert "lm_head" in warning and "--merge" in warning and "\n" not in warning
 
 
-@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "gemma3_text"])
 def test_an_lm_head_target_on_a_family_vllm_refuses_it_for_points_to_the_merge(model_type):
-    model = ModelConfig.from_hf({"model_type": model_type, **SHAPE, "sliding_window": None})
+    window = {} if model_type == "gemma3_text" else {"sliding_window": None}
+    model = ModelConfig.from_hf({"model_type": model_type, **SHAPE, "num_key_value_heads": 2, "head_dim": 4, **window})
     (warning,) = serving_warnings(LoraConfig(rank=8, alpha=16, targets=("q_proj", "lm_head")), model)
     assert "refuses" in warning and "--merge" in warning
+    assert serving_warnings(LoraConfig(rank=8, alpha=16, targets=DEFAULT_TARGETS), model) == []
+
+
+def test_an_lm_head_target_on_a_multimodal_gemma3_says_to_train_without_it():
+    """A multimodal base has no merged form (export.merge refuses it)."""
+    text = {**SHAPE, "num_key_value_heads": 2, "head_dim": 4}
+    model = ModelConfig.from_hf({"model_type": "gemma3", "text_config": text})
+    (warning,) = serving_warnings(LoraConfig(rank=8, alpha=16, targets=("q_proj", "lm_head")), model)
+    assert "Gemma3ForConditionalGeneration refuses" in warning and "train without lm_head" in warning
+    assert "--merge" not in warning
     assert serving_warnings(LoraConfig(rank=8, alpha=16, targets=DEFAULT_TARGETS), model) == []
 
 

@@ -21,6 +21,7 @@ import itertools
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from jinja2 import TemplateError
 
 from finetune.data.chat_shapes import (MAX_REMEMBERED_TAIL, MAX_REMEMBERED_TAILS, MAX_SHAPES, SHAPE_CHECKS, ChatPlan,
                                        ChatShape)
@@ -249,8 +250,11 @@ class BatchTokenizer:
             kept, cut = messages, False
         else:
             kept, cut = first_characters(messages, CHARS_PER_TOKEN * (self.limit + CUT_MARGIN))
-        plan = ChatPlan(kept, cut, self.render(kept))
-        plan.boundaries = self._boundaries(kept, plan.rendering)
+        try:
+            plan = ChatPlan(kept, cut, self.render(kept))
+            plan.boundaries = self._boundaries(kept, plan.rendering)
+        except TemplateError:
+            return None  # the reference path names the row and the template's message
         return plan
 
     def render(self, messages: list, generation_prompt: bool = False) -> str:

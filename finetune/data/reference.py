@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from jinja2 import TemplateError
 
 from finetune.data.rows import DataError, Example, Rows, TruncationReport
 from finetune.data.sources import open_source
@@ -290,7 +291,15 @@ def first_characters(messages: list[dict], budget: int) -> tuple[list[dict], boo
 def _render_chat(where: str, messages: list[dict], tokenizer, stop: int | None = None, final: int | None = None
                  ) -> Example:
     """The conversation's tokens, each assistant turn trained (those starting at `stop` or later are left
-    untrained: only the first `stop` tokens are wanted); with `final`, only message `final` (when present)."""
+    untrained: only the first `stop` tokens are wanted); with `final`, only message `final` (when present). A
+    template that raises on the conversation (Gemma 3's on roles that do not alternate) is the row's error."""
+    try:
+        return _chat_example(where, messages, tokenizer, stop, final)
+    except TemplateError as error:
+        raise DataError(f"{where}: the chat template refuses the conversation: {error}") from None
+
+
+def _chat_example(where: str, messages: list[dict], tokenizer, stop: int | None, final: int | None) -> Example:
     def render(msgs, generation_prompt=False) -> list[int]:
         return _render(tokenizer, msgs, generation_prompt)
 

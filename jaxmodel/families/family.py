@@ -14,13 +14,27 @@ class Family:
     `modules` is the family's table between HF module names and this port's module paths (`{i}` marks a
     per-layer module, whose parameters are stacked on a leading [layers] axis). `read(fields)` gives the
     `ModelConfig` fields the family decides from its config.json, over the common reading's (`fields`:
-    `jaxmodel.config.Fields`); `write(config)` gives them back as the family's config.json spells them."""
+    `jaxmodel.config.Fields`); `write(config)` gives them back as the family's config.json spells them.
+
+    `defaults` are transformers' values for config.json fields it leaves out, where the common reading has none.
+    A multimodal class whose decoder this port runs (Gemma 3 from 4B up) also has `text_config`: the key of the
+    part of its config.json that describes the decoder, read as the family's; `runtime_prefixes`: where the module
+    names of transformers' class (which PEFT and vLLM adapters use) differ from its checkpoint's tensor names, as
+    (checkpoint prefix, module prefix) pairs; and `other_tensors`: a regex of the checkpoint's tensors outside the
+    decoder (the vision tower), which conversion leaves out; `adapter_excludes`: a regex of the class's modules
+    an adapter leaves alone (PEFT's `exclude_modules`), so that its target names match in the decoder only."""
 
     model_type: str
     architecture: str  # transformers' class, written into converted and merged configs
     modules: tuple[tuple[str, str], ...]
     read: Callable[[Any], dict[str, Any]]
     write: Callable[[Any], dict[str, Any]]
+    defaults: tuple[tuple[str, Any], ...] = ()
+    text_config: str | None = None
+    text_model_type: str | None = None  # the model_type written under text_config
+    runtime_prefixes: tuple[tuple[str, str], ...] = ()
+    other_tensors: str | None = None
+    adapter_excludes: str | None = None
 
 
 # transformers' MistralConfig and Qwen2/Qwen3Config default, when config.json has no sliding_window (null: none)

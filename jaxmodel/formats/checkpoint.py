@@ -63,7 +63,8 @@ def param_specs(config: ModelConfig, param_dtype=jnp.float32,
 def hf_tensors_by_param(config: ModelConfig, tensors, source_dir: Path, error: type[Exception]) -> dict[str, dict]:
     """An HF checkpoint's tensors (`hf_checkpoint.SourceTensor`s) by NNX path and layer (0 for an unstacked
     parameter), checked against `config`: every tensor a parameter of its shape (known extras such as rotary
-    caches skipped, a tied model's stored head dropped) and every parameter present; `error(message)` else."""
+    caches and a multimodal model's vision tower skipped, a tied model's stored head dropped) and every parameter
+    present; `error(message)` else."""
     from jaxmodel.formats.hf_names import IGNORED, names_of
 
     expected = param_specs(config)
@@ -72,7 +73,7 @@ def hf_tensors_by_param(config: ModelConfig, tensors, source_dir: Path, error: t
     for t in tensors:
         mapped = names.hf_to_jax(t.name)
         if mapped is None:
-            if IGNORED.fullmatch(t.name):
+            if IGNORED.fullmatch(t.name) or names.is_other(t.name):
                 continue
             raise error(f"{t.file}: unexpected tensor '{t.name}' (not part of a {config.model_type} checkpoint)")
         path, layer = mapped

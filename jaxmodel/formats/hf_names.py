@@ -21,12 +21,30 @@ IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
 class NameTable:
-    """One family's names: HF tensor names <-> (JAX parameter path, layer)."""
+    """One family's names: HF tensor names <-> (JAX parameter path, layer); the module names of transformers'
+    class at run time (`runtime_module`, for adapters) and the checkpoint tensors outside the decoder
+    (`is_other`)."""
 
-    def __init__(self, modules: tuple[tuple[str, str], ...]):
+    def __init__(self, modules: tuple[tuple[str, str], ...], runtime_prefixes: tuple[tuple[str, str], ...] = (),
+                 other_tensors: str | None = None):
         self._by_hf = [(re.compile(re.escape(hf).replace(r"\{i\}", r"(\d+)") + r"\.(" + "|".join(PARAMS) + r")"),
                         jax) for hf, jax in modules]
         self._by_jax = {jax: hf for hf, jax in modules}
+        self._runtime_prefixes = runtime_prefixes
+        self._other = re.compile(other_tensors) if other_tensors else None
+
+    def is_other(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` lies outside the decoder (a multimodal model's vision tower)."""
+        return self._other is not None and self._other.fullmatch(name) is not None
+
+    def runtime_module(self, jax_module: str, layer: int | None = None) -> str:
+        """The module's name in transformers' class as it runs (PEFT's and vLLM's adapter keys): the checkpoint's
+        module name, unless the family renames its prefix (a multimodal class)."""
+        name = self.hf_module(jax_module, layer)
+        for checkpoint, runtime in self._runtime_prefixes:
+            if name.startswith(checkpoint):
+                return runtime + name[len(checkpoint):]
+        return name
 
     def hf_to_jax(self, name: str) -> tuple[str, int | None] | None:
         """`model.layers.3.mlp.up_proj.weight` -> (`layers.mlp.up_proj.weight`, 3); None for unknown names."""
@@ -62,7 +80,8 @@ class NameTable:
 
 @functools.cache
 def _table(model_type: str) -> NameTable:
-    return NameTable(FAMILIES[model_type].modules)
+    family = FAMILIES[model_type]
+    return NameTable(family.modules, family.runtime_prefixes, family.other_tensors)
 
 
 def names_of(config) -> NameTable:

@@ -1,8 +1,8 @@
 """The PEFT LoRA adapter format: write ours for `PeftModel.from_pretrained`, and read PEFT's into the JAX model.
 
-Key names come from the model family's name table (`jaxmodel.formats.hf_names`): `base_model.model.` + the
-HF module + `.lora_A.weight` / `.lora_B.weight`. PEFT stores `lora_A: [r, in]` and `lora_B: [out, r]`;
-the JAX model keeps `A: [in, r]`, `B: [r, out]`, so each is transposed (they are small).
+Key names come from the model family's name table (`jaxmodel.formats.hf_names`): `base_model.model.` + the module's
+name in transformers' class (`runtime_module`) + `.lora_A.weight` / `.lora_B.weight`. PEFT stores `lora_A: [r, in]`
+and `lora_B: [out, r]`; the JAX model keeps `A: [in, r]`, `B: [r, out]`, so each is transposed (they are small).
 PEFT loads adapters with `strict=False`, silently skipping unknown keys: the tests compare outputs.
 """
 
@@ -47,19 +47,21 @@ def peft_tensors(lora: nnx.State, model_config, dtype=np.float32) -> dict[str, n
         b = flat[module + ".lora_b"]
         layers = [(i, a[i], b[i]) for i in range(a.shape[0])] if a.ndim == 3 else [(None, a, b)]
         for layer, a_ir, b_ro in layers:
-            name = PREFIX + names.hf_module(module, layer)
+            name = PREFIX + names.runtime_module(module, layer)
             tensors[name + ".lora_A.weight"] = np.ascontiguousarray(a_ir.T).astype(dtype)
             tensors[name + ".lora_B.weight"] = np.ascontiguousarray(b_ro.T).astype(dtype)
     return tensors
 
 
-def adapter_config(lora_config: LoraConfig, base_model: str, revision: str | None = None) -> dict[str, Any]:
+def adapter_config(lora_config: LoraConfig, base_model: str, revision: str | None = None,
+                   exclude_modules: str | None = None) -> dict[str, Any]:
     """adapter_config.json as PEFT writes it for a LoRA on a causal LM (sorted keys, every field). `base_model`
-    and `revision` are what `AutoPeftModelForCausalLM` loads the base from."""
+    and `revision` are what `AutoPeftModelForCausalLM` loads the base from; `exclude_modules` the regex of the
+    base's modules outside the decoder (a multimodal family's `adapter_excludes`)."""
     return {
         "alora_invocation_tokens": None, "alpha_pattern": {}, "arrow_config": None, "auto_mapping": None,
         "base_model_name_or_path": base_model, "bias": "none", "corda_config": None, "ensure_weight_tying": False,
-        "eva_config": None, "exclude_modules": None, "fan_in_fan_out": False, "inference_mode": True,
+        "eva_config": None, "exclude_modules": exclude_modules, "fan_in_fan_out": False, "inference_mode": True,
         "init_lora_weights": True, "kasa_config": None, "layer_replication": None, "layers_pattern": None,
         "layers_to_transform": None, "loftq_config": {}, "lora_alpha": lora_config.alpha, "lora_bias": False,
         "lora_dropout": lora_config.dropout, "lora_ga_config": None, "megatron_config": None,
@@ -88,8 +90,8 @@ def save_peft_adapter(out: str | Path, lora: nnx.State, lora_config: LoraConfig,
     out = Path(out)
     with atomic_directory(out, "exporting") as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(lora_config, base_model, revision), indent=2,
-                                                     sort_keys=True) + "\n")
+        config = adapter_config(lora_config, base_model, revision, model_config.family.adapter_excludes)
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         details = {**({"base revision": revision} if revision else {}), **(card or {})}
         (tmp / "README.md").write_text(model_card(lora_config, base_model, details))
     return out
@@ -161,7 +163,7 @@ def load_peft_adapter(model, adapter_dir: str | Path):
         layers = range(a.shape[0]) if a.ndim == 3 else [None]
         values_a, values_b = [], []
         for layer in layers:
-            name = PREFIX + names.hf_module(path, layer)
+            name = PREFIX + names.runtime_module(path, layer)
             try:
                 a_ri, b_or = tensors[name + ".lora_A.weight"], tensors[name + ".lora_B.weight"]
             except KeyError:
