@@ -264,13 +264,15 @@ def test_a_familys_adapter_is_served_as_peft_serves_it(tmp_path, model_type):
         assert greedy_continuation(url, "tuned", PROMPT, 16) == expected
 
 
-def test_an_lm_head_adapter_on_qwen2_is_refused_as_export_peft_warns(tmp_path):
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text"])
+def test_an_lm_head_adapter_on_a_family_without_embedding_modules_is_refused_as_export_peft_warns(tmp_path,
+                                                                                                 model_type):
     from converter import convert
     from demo.tiny import build_tiny_model
 
     hf = build_tiny_model(tmp_path / "hf", config={
         "hidden_size": 256, "head_dim": 64, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-        **FAMILY_MODELS["qwen2"]})
+        **FAMILY_MODELS[model_type], "tie_word_embeddings": False})
     convert(hf, tmp_path / "jax", progress=False)
     adapter, warnings = export_with_warnings(tmp_path / "jax", tmp_path, "--rank", "8", "--targets", "lm_head")
     (warning,) = warnings
