@@ -6,8 +6,11 @@ import os
 import shutil
 import tempfile
 
-# Before jax is imported anywhere: a simulated 8-device node, and no network for the hub.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Before jax is imported anywhere: a simulated 8-device node, and no network for the hub. On two busy cores the
+# simulated devices' threads can reach one collective more than XLA's default 40 s apart, which aborts the process:
+# the limit is raised (a collective that truly hangs still ends, after 10 minutes).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                                   "--xla_cpu_collective_call_terminate_timeout_seconds=600")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The one cache kept across test sessions (tests/pretrained.py's downloaded checkpoint), taken from the user's cache

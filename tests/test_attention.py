@@ -143,10 +143,10 @@ def visited_blocks(monkeypatch, case: dict, **kw) -> tuple[set, set]:
     tracing = {"pass": "forward"}  # which pass is being traced when the loop bodies call _masked_scores
     original = attention_module._masked_scores
 
-    def recording(q_bkqh, k_bksh, q_seg_bt, kv_seg_bs, i, j, q_offset, window):
+    def recording(q_bkqh, k_bksh, q_seg_bt, kv_seg_bs, i, j, q_offset, window, scale):
         visits = seen[tracing["pass"]]
         jax.debug.callback(lambda i, j: visits.add((int(i), int(j))), i, j)
-        return original(q_bkqh, k_bksh, q_seg_bt, kv_seg_bs, i, j, q_offset, window)
+        return original(q_bkqh, k_bksh, q_seg_bt, kv_seg_bs, i, j, q_offset, window, scale)
 
     monkeypatch.setattr(attention_module, "_masked_scores", recording)
     f = lambda q, k, v: blockwise_attention(q, k, v, q_segment_ids=case["q_seg"], kv_segment_ids=case["kv_seg"],
