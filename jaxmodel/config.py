@@ -10,10 +10,9 @@ from typing import Any, Mapping
 
 from jaxmodel.errors import UserError
 from jaxmodel.families import FAMILIES, Family
+from jaxmodel.families.family import SUPPORTED_ACTIVATIONS
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# transformers' ACT2FN names of the MLP's gate activations the decoder runs
-SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 class ConfigError(ValueError, UserError):
@@ -222,9 +221,9 @@ def _parse(raw: dict[str, Any], where: str) -> ModelConfig:
     if family.text_config is not None:  # a multimodal config: its decoder is described under text_config
         text = fields.get(family.text_config, dict, {})
         raw = {**{k: raw[k] for k in OUTER_FIELDS if k in raw}, **text, "model_type": model_type}
-        fields = Fields(raw, f"{where}: {family.text_config}")
+        where = f"{where}: {family.text_config}"
     raw = {**dict(family.defaults), **raw}
-    fields.raw = raw
+    fields = Fields(raw, where)
     act = raw.get("hidden_act", "silu")
     if act not in SUPPORTED_ACTIVATIONS:
         raise fields.error(f"field 'hidden_act' is {act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")

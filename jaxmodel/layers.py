@@ -192,7 +192,7 @@ class RMSNorm(nnx.Module):
             return (scale * h).astype(x.dtype)
 
 
-# The MLP gate's activations by transformers' ACT2FN name (`jaxmodel.config.SUPPORTED_ACTIVATIONS`).
+# The MLP gate's activations by transformers' ACT2FN name (`jaxmodel.families.family.SUPPORTED_ACTIVATIONS`).
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 

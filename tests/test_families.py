@@ -144,7 +144,7 @@ def test_switches_of_each_family():
      "field 'final_logit_softcapping' is 30.0; Gemma 3 has none (null)"),
     ({"model_type": "gemma3_text", "sliding_window": None}, "field 'sliding_window' must be a positive integer"),
     ({"model_type": "gemma3_text", "hidden_activation": "relu"},
-     "field 'hidden_activation' is 'relu'; supported: gelu_pytorch_tanh, silu"),
+     "field 'hidden_activation' is 'relu'; supported: silu, gelu_pytorch_tanh"),
     ({"model_type": "gemma3_text", "rope_parameters": {"global": {"rope_theta": 1e6}}},
      "field 'rope_parameters' must map full_attention and sliding_attention to their RoPE"),
     ({"model_type": "gemma3_text", "rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1.0}}},

@@ -37,6 +37,23 @@ class Family:
     adapter_excludes: str | None = None
 
 
+# transformers' ACT2FN names of the MLP gate's activations the decoder runs (`jaxmodel.layers.ACTIVATIONS`)
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# the names of `layer_types` in transformers' configs (Qwen2, Qwen3, Gemma 3)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def read_layer_types(fields) -> tuple[bool, ...] | None:
+    """`layer_types` as one flag per layer, True for a sliding-window layer; None when absent."""
+    layers = fields.raw["num_hidden_layers"]
+    types = fields.get("layer_types", list, None)
+    if types is None:
+        return None
+    if len(types) != layers or any(t not in LAYER_TYPES for t in types):
+        raise fields.error(f"field 'layer_types' must list {layers} of {', '.join(LAYER_TYPES)}")
+    return tuple(t == "sliding_attention" for t in types)
+
+
 # transformers' MistralConfig and Qwen2/Qwen3Config default, when config.json has no sliding_window (null: none)
 DEFAULT_WINDOW = 4096
 

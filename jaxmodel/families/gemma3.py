@@ -4,7 +4,7 @@ norms); per-head q/k norms; embeddings times sqrt(hidden_size); a GELU (tanh) ga
 
 from __future__ import annotations
 
-from jaxmodel.families.family import Family
+from jaxmodel.families.family import LAYER_TYPES, SUPPORTED_ACTIVATIONS, Family, read_layer_types
 from jaxmodel.families.llama import MODULES as LLAMA_MODULES
 
 #   HF module                                     JAX module
@@ -20,8 +20,6 @@ MODULES: tuple[tuple[str, str], ...] = (
     *LLAMA_MODULES[7:],
 )  # fmt: skip
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
-ACTIVATIONS = ("gelu_pytorch_tanh", "silu")
 # transformers' Gemma3TextConfig defaults where config.json leaves a field out
 DEFAULTS = (("vocab_size", 262_208), ("hidden_size", 2304), ("intermediate_size", 9216), ("num_hidden_layers", 26),
             ("num_attention_heads", 8), ("num_key_value_heads", 4), ("head_dim", 256),
@@ -39,27 +37,23 @@ def _read(fields) -> dict:
     if raw.get("use_bidirectional_attention"):
         raise fields.error("field 'use_bidirectional_attention' is true; only causal attention is supported")
     act = fields.get("hidden_activation", str, "gelu_pytorch_tanh")
-    if act not in ACTIVATIONS:
-        raise fields.error(f"field 'hidden_activation' is {act!r}; supported: {', '.join(ACTIVATIONS)}")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise fields.error(f"field 'hidden_activation' is {act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
     scalar = fields.get("query_pre_attn_scalar", (int, float), 256)
     if scalar <= 0:
         raise fields.error(f"field 'query_pre_attn_scalar' must be positive, got {scalar!r}")
-    layers = fields.raw["num_hidden_layers"]
-    types = fields.get("layer_types", list, None)
-    if types is None:
+    sliding = read_layer_types(fields)
+    if sliding is None:
         pattern = fields.positive("sliding_window_pattern", DEFAULT_PATTERN)
-        sliding = tuple(bool((i + 1) % pattern) for i in range(layers))
-    else:
-        if len(types) != layers or any(t not in LAYER_TYPES for t in types):
-            raise fields.error(f"field 'layer_types' must list {layers} of {', '.join(LAYER_TYPES)}")
-        sliding = tuple(t == "sliding_attention" for t in types)
+        sliding = tuple(bool((i + 1) % pattern) for i in range(fields.raw["num_hidden_layers"]))
     if "sliding_window" in raw and raw["sliding_window"] is None:  # transformers' Gemma 3 cannot run without one
         raise fields.error("field 'sliding_window' must be a positive integer, got None")
     window = fields.positive("sliding_window", 4096)
     global_rope, local_rope = _ropes(fields)
+    bias = fields.get("attention_bias", bool, False)
     return dict(
-        qkv_bias=fields.get("attention_bias", bool, False),
-        o_bias=fields.get("attention_bias", bool, False),
+        qkv_bias=bias,
+        o_bias=bias,
         mlp_bias=False,
         qk_norm=True,
         norm_unit_offset=True,

@@ -4,23 +4,17 @@
 from __future__ import annotations
 
 from jaxmodel.families.llama import MODULES
-from jaxmodel.families.family import Family, read_window
-
-LAYER_TYPES = ("full_attention", "sliding_attention")
+from jaxmodel.families.family import LAYER_TYPES, Family, read_layer_types, read_window
 
 
 def read_windows(fields) -> dict:
     """`sliding_window` and `sliding_layers` as transformers' Qwen2 and Qwen3 configs decide them."""
     layers = fields.raw["num_hidden_layers"]
     window = read_window(fields) if fields.get("use_sliding_window", bool, False) else None
-    types = fields.get("layer_types", list, None)
-    if types is None:
+    sliding = read_layer_types(fields)
+    if sliding is None:
         first = fields.get("max_window_layers", int, 28)
         sliding = tuple(i >= first for i in range(layers))
-    else:
-        if len(types) != layers or any(t not in LAYER_TYPES for t in types):
-            raise fields.error(f"field 'layer_types' must list {layers} of {', '.join(LAYER_TYPES)}")
-        sliding = tuple(t == "sliding_attention" for t in types)
     if window is None or not any(sliding):
         return dict(sliding_window=None, sliding_layers=())
     return dict(sliding_window=window, sliding_layers=sliding)
