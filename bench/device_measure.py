@@ -25,6 +25,7 @@ from train import step_times  # bench/train.py
 
 from finetune.config import TrainConfig
 from finetune.planning.plan import PlanReport, plan
+from finetune.step.attention_choice import choose_attention
 from finetune.step.checks import check_batch_split, check_rank, check_seq_len
 from finetune.step.mesh import make_mesh
 from finetune.step.train_step import (
@@ -159,7 +160,7 @@ def build_step(llama: ModelConfig, config: TrainConfig, devices: list) -> Step:
     check_rank(config, llama)
     check_batch_split(config, mesh, DEFAULT_RULES)
     dtype = DTYPES[config.dtype]
-    impl = config.attention_impl(mesh.shape["cp"])
+    impl = choose_attention(config, llama, mesh.shape["cp"]).impl
 
     def build():
         model = CausalLM(llama, dtype=dtype, param_dtype=DTYPES[config.param_dtype], remat=config.remat,

@@ -18,9 +18,12 @@ checkpoint, no network, no torch. It measures, on the devices JAX sees:
                      batch) plus the process's peak RSS growth over the steps divided by the devices of the step
                      (VmHWM reset after compiling, so the compiler's own memory is left out); not measured on
                      an accelerator whose backend reports no memory_stats();
-  attention          forward + backward of one attention call, dense scores (`xla`) against `blockwise`, at
-                     the model's heads for a row of each sequence length that fits (dense: scores at most half
-                     the device; up to DENSE_SEQ_WITHOUT_LIMIT positions where the device reports no limit);
+  attention          forward + backward of one attention call, dense scores (`xla`) against `blockwise` and, on
+                     an NVIDIA GPU, the fused kernels (`cudnn`, `pallas-triton`), at the model's heads for a row
+                     of each sequence length that fits (dense: scores at most half the device; up to
+                     DENSE_SEQ_WITHOUT_LIMIT positions where the device reports no limit), with the share of the
+                     matmul peak in attention FLOPs; and each kernel's check against the blockwise path (the one
+                     a run passes before it takes the kernel);
   memory bandwidth   an elementwise op's, by the bytes it moves (64 KiB to 256 MiB), inside a compiled loop, and
                      the rate of exp (bench/device_measure.py); with the matmul peak, the figures `--plan` predicts
                      a step's time from (`--device-model report.json`): the report gives that prediction for its
@@ -50,6 +53,7 @@ checks the run fits, halving rows per device (then layers) until it does.
     python bench/device_report.py --dtype float32      # the step in float32 (default: bfloat16, as finetune-lora)
     python bench/device_report.py --attention xla      # the step's attention, as finetune-lora's (default: auto)
     python bench/device_report.py --quick              # a tiny model: checks the script (well under a minute)
+    python bench/device_report.py --seq 32768 --batch 1 --step-only   # one step shape, its plan and MFU only
 """
 
 from __future__ import annotations
@@ -75,7 +79,10 @@ from finetune.config import TrainConfig
 from finetune.planning.devices import device_model_from_report
 from finetune.planning.plan_json import json_path_problem
 from finetune.train.metrics import TIMED_SAMPLE_SECONDS
+from jaxmodel.attention import PORTABLE_IMPLS
+from jaxmodel.attention_check import disagreement
 from jaxmodel.config import ModelConfig
+from jaxmodel.fused_attention import FUSED_IMPLS, AttentionCall, refusal
 from jaxmodel.errors import UsageError, UserError
 from jaxmodel.errors import report as report_error
 
@@ -135,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention", default=TrainConfig.attention, choices=choices("attention"),
                         help="attention of the train step, as finetune-lora's --attention (default: auto)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and short lengths: checks the script")
+    parser.add_argument("--step-only", action="store_true",
+                        help="only the plan, the train step and the matmul peaks (no attention table, collectives or "
+                             "parity)")
     parser.add_argument("--layers", type=positive, help="decoder layers of the model (default: by backend)")
     parser.add_argument("--seq", type=positive, help="tokens per row of the train step")
     parser.add_argument("--batch", type=positive, help="rows per train step, over all its devices")
@@ -283,21 +293,45 @@ def guarded(measure: Callable[[], object]):
 def failed_sections(report: dict) -> list[str]:
     """The report's measurements that ended in an error (`guarded`), by name."""
     failed = [f"attention {impl} at {r['seq']} positions" for r in report["attention"]["rows"]
-              for impl in ("xla", "blockwise") if isinstance(r[impl], dict)]
+              for impl in timed_impls(r) if isinstance(r[impl], dict)]
     return failed + [name for name in ("collectives", "parity") if "error" in report[name]]
+
+
+def attention_impls(platform: str) -> tuple[str, ...]:
+    """The attention paths the report times: the portable ones everywhere, the fused kernels on an NVIDIA GPU."""
+    return PORTABLE_IMPLS + (FUSED_IMPLS if platform in ("gpu", "cuda") else ())
+
+
+def timed_impls(row: dict) -> list[str]:
+    return [impl for impl in row if impl in PORTABLE_IMPLS + FUSED_IMPLS]
 
 
 def attention_rows(shape: Shape, dtype: str, bytes_limit: float | None, platform: str) -> list[dict]:
     llama, rows = llama_of(shape.model), []
     for seq in shape.attention_seqs:
         row = {"seq": seq}
-        for impl in ("xla", "blockwise"):
+        for impl in attention_impls(platform):
             if impl == "xla" and not dense_attention_fits(llama, seq, bytes_limit, platform):
                 row[impl] = None
                 continue
             row[impl] = guarded(functools.partial(dm.attention_seconds, llama, dm.DTYPES[dtype], seq, impl))
         rows.append(row)
     return rows
+
+
+def attention_checks(llama: ModelConfig, dtype: str, platform: str) -> dict:
+    """Each fused kernel's check before a run takes it (`jaxmodel.attention_check.disagreement`), at the model's
+    heads in `dtype`, on packed rows and on rows of one sequence: "agrees" or why not."""
+    checks = {}
+    for impl in attention_impls(platform):
+        if impl in FUSED_IMPLS:
+            checks[impl] = {}
+            for packed in (True, False):
+                call = AttentionCall(dtype, llama.head_dim, llama.num_attention_heads, llama.num_key_value_heads,
+                                     q_len=2048, kv_len=2048, q_offset=False, window=False, packed=packed)
+                checks[impl]["packed" if packed else "one sequence a row"] = (
+                    refusal(impl, call) or disagreement(impl, call) or "agrees")
+    return checks
 
 
 def backend_shape(args, backend: str, bytes_limit: float | None, local_devices: int) -> Shape:
@@ -368,10 +402,15 @@ def measure(args) -> dict:
     shape = apply_options(backend_shape(args, jax.default_backend(), bytes_limit, len(local)), args, len(local))
     shape, section = step_section(shape, args, bytes_limit, local[:shape.devices])
     report = {**environment(local, bytes_limit), **section}
+    if args.step_only:
+        return {**report, "attention": {"dtype": args.dtype, "batch": 1, "rows": [], "checks": {}},
+                "collectives": {"skipped": "--step-only"}, "parity": {"skipped": "--step-only"},
+                "skipped": shape.skipped + ["attention, collectives and parity (--step-only)"]}
     print(f"attention at {', '.join(map(str, shape.attention_seqs))} positions ...", flush=True)
     platform = local[0].platform
     report["attention"] = {"dtype": args.dtype, "batch": 1,
-                           "rows": attention_rows(shape, args.dtype, bytes_limit, platform)}
+                           "rows": attention_rows(shape, args.dtype, bytes_limit, platform),
+                           "checks": attention_checks(llama_of(shape.model), args.dtype, platform)}
     if len(local) > 1:
         print(f"collectives over {len(local)} devices ...", flush=True)
         report["collectives"] = guarded(lambda: {
@@ -454,10 +493,29 @@ def memory_rows(report: dict) -> list[str]:
 
 
 def attention_table_rows(report: dict) -> list[str]:
-    how = f"one row, {report['attention']['dtype']}, the model's heads"
-    return [row(f"attention fwd+bwd, {r['seq']} positions",
-                f"xla {seconds(r['xla'])}, blockwise {seconds(r['blockwise'])}", how)
-            for r in report["attention"]["rows"]]
+    attention, c = report["attention"], report["model"]["config"]
+    peak = report["matmul_peak_flops"].get(attention["dtype"])
+    how = (f"one row, {attention['dtype']}, the model's heads; % of the {attention['dtype']} matmul peak in attention "
+           "FLOPs (3.5 x the forward's two matmuls, causal counted as half the square)")
+
+    def timed(r, impl):
+        value = r[impl]
+        if isinstance(value, dict) or value is None or not peak:
+            return f"{impl} {seconds(value)}"
+        flops = attention_flops(c["num_attention_heads"], c["head_dim"], r["seq"])
+        return f"{impl} {seconds(value)} ({flops / value / peak:.0%})"
+
+    rows = [row(f"attention fwd+bwd, {r['seq']} positions", ", ".join(timed(r, impl) for impl in timed_impls(r)), how)
+            for r in attention["rows"]]
+    return rows + [row(f"attention check: {impl}", "; ".join(f"{rows}: {said}" for rows, said in by_rows.items()),
+                       "the check a run passes before it takes the kernel (jaxmodel/attention_check.py)")
+                   for impl, by_rows in attention.get("checks", {}).items()]
+
+
+def attention_flops(heads: int, head_dim: int, seq: int) -> float:
+    """FLOPs of one causal attention call's forward + backward for one row: the forward's two matmuls (4 x heads x
+    head_dim x seq², half of it causal) and the backward's five (2.5 times the forward's)."""
+    return 3.5 * 4 * heads * head_dim * seq * seq / 2
 
 
 def collectives_row(col: dict) -> str:

@@ -205,9 +205,13 @@ class TrainConfig:
                 "sequences with --attention xla); offload keeps layer inputs in host memory where the backend "
                 "supports it",
         resume=Allowed("memory/speed only, same function"))
-    attention: Literal["auto", "xla", "blockwise"] = option(
+    attention: Literal["auto", "xla", "blockwise", "cudnn", "pallas-triton"] = option(
         "auto", "attention without a cache: xla materialises [seq, seq] scores; blockwise (flash-style, memory "
-                "linear in seq) computes them block by block; auto: blockwise from --seq-len 2048 on or with cp > 1",
+                "linear in seq) computes them block by block; cudnn (NVIDIA, --no-pack rows) and pallas-triton "
+                "(NVIDIA sm80+) are fused kernels, each checked against blockwise before the run takes it, the "
+                "portable path serving what a kernel cannot take; auto: on an NVIDIA GPU the first of cudnn, "
+                "pallas-triton that takes the run and agrees, else blockwise from --seq-len 2048 on or with cp > 1, "
+                "else xla",
         resume=Allowed("memory/speed only, same function"))
     loss_chunk: int = option(2048, "positions per chunk of the LM head + cross-entropy, so [seq, vocab] logits are "
                                    "never held at once: a frozen head computes each chunk's logits once (its chunks "
@@ -264,11 +268,18 @@ class TrainConfig:
     show_sharding: bool = option(False, "print each parameter's sharding and per-device bytes, then continue",
                                  resume=Allowed("display only"), plan_only=True)
 
-    def attention_impl(self, cp: int = 1) -> str:
-        """The attention implementation `--attention` names; `auto` resolved for this run's shape."""
-        if self.attention != "auto":
+    def portable_attention(self, cp: int = 1) -> str:
+        """The portable attention path of this run: xla or blockwise as `--attention` names it; otherwise (auto, and
+        a fused kernel's fallback) resolved for this run's shape."""
+        if self.attention in ("xla", "blockwise"):
             return self.attention
         return "blockwise" if cp > 1 or self.seq_len >= BLOCKWISE_FROM else "xla"
+
+    def attention_impl(self, cp: int = 1) -> str:
+        """The attention `--plan` compiles: the portable path, and blockwise for a fused kernel (a CPU compiles
+        none; both hold O(seq) per row: the output and its log-sum-exp). The run resolves its own
+        (`finetune.step.attention_choice`)."""
+        return "blockwise" if self.attention in ("cudnn", "pallas-triton") else self.portable_attention(cp)
 
     @property
     def target_modules(self) -> tuple[str, ...]:

@@ -21,9 +21,11 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxmodel.fused_attention import FUSED_IMPLS, fused_attention
 from jaxmodel.matmul import einsum_acc32, gradient_einsum, saved_as_dot, saved_residual
 
-ATTENTION_IMPLS = ("xla", "blockwise")
+PORTABLE_IMPLS = ("xla", "blockwise")
+ATTENTION_IMPLS = PORTABLE_IMPLS + FUSED_IMPLS
 
 # Query blocks of the plain path (see xla_attention), used from CAUSAL_BLOCK_MIN positions per block on:
 # below that attention costs little and the extra matmuls only lengthen compilation.
@@ -45,16 +47,21 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *, q_segm
               mask_bts: jax.Array | None = None, window: int | jax.Array | None = None, impl: str = "xla",
               dtype=None, block_q: int | None = None, block_kv: int | None = None,
               scale: float | None = None) -> jax.Array:
-    """Causal attention `[b, t, n, h]` by `impl`: "xla" (dense scores) or "blockwise" (memory O(t)).
+    """Causal attention `[b, t, n, h]` by `impl`: "xla" (dense scores), "blockwise" (memory O(t)) or a fused
+    kernel (`jaxmodel.fused_attention`).
 
     `mask_bts` replaces the segment ids (plain path only). `window` (None: none) may be traced. `dtype`
     (default q's) is the compute dtype.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {list(ATTENTION_IMPLS)}, got {impl!r}")
+    if impl != "xla" and mask_bts is not None:
+        raise ValueError(f"{impl} attention takes segment ids, not a dense mask_bts")
+    if impl in FUSED_IMPLS:
+        return fused_attention(impl, q_btnh, k_bskh, v_bskh, q_segment_ids=q_segment_ids,
+                               kv_segment_ids=kv_segment_ids, q_offset=q_offset, window=window, dtype=dtype,
+                               scale=scale)
     if impl == "blockwise":
-        if mask_bts is not None:
-            raise ValueError("blockwise attention takes segment ids, not a dense mask_bts")
         return blockwise_attention(q_btnh, k_bskh, v_bskh, q_segment_ids=q_segment_ids,
                                    kv_segment_ids=kv_segment_ids, q_offset=q_offset, window=window, dtype=dtype,
                                    block_q=block_q, block_kv=block_kv, scale=scale)

@@ -239,9 +239,9 @@ class CausalLM(nnx.Module):
             segments_bt = jnp.ones((b, t), jnp.int32) if segments_bt is None else segments_bt
             input_ids, positions, segments_bt = (jnp.take(x, order, axis=1) for x in (input_ids, positions, segments_bt))
             mask = dict(impl=self.attention, segment_ids_bt=segments_bt)
-        elif self.attention == "blockwise":
+        elif self.attention != "xla":  # blockwise and the fused kernels take segment ids
             segments_bt = _segments(attention_mask, segment_ids)
-            mask = dict(impl="blockwise", q_segment_ids=segments_bt, kv_segment_ids=segments_bt)
+            mask = dict(impl=self.attention, q_segment_ids=segments_bt, kv_segment_ids=segments_bt)
         else:  # causality is added by `attention`, from the positions' indices
             mask = dict(impl=self.attention, mask_bts=_dense_key_mask(attention_mask, segment_ids))
         h_btd, _ = self._layers(input_ids, positions, mask, None, 0, dropout_key)

@@ -157,6 +157,35 @@ def test_dense_attention_is_capped_on_an_accelerator_that_reports_no_memory_limi
     assert fits(llama, 8192, 80e9, "gpu") and not fits(llama, 32768, 80e9, "gpu")  # half the device
 
 
+@pytest.mark.slow
+def test_on_an_nvidia_gpu_the_fused_kernels_are_timed_and_checked(device_report, quick_report):
+    """The attention rows and checks as on a GPU (here: cuDNN absent, Pallas interpreted): each kernel timed or its
+    error kept, each check's verdict, the table's share of the peak in attention FLOPs, the failures named."""
+    args = device_report.build_parser().parse_args(["--quick"])
+    shape = device_report.backend_shape(args, "cpu", None, 1)
+    shape = device_report.dataclasses.replace(shape, attention_seqs=(128,))
+    rows = device_report.attention_rows(shape, "bfloat16", None, "gpu")
+    assert list(rows[0]) == ["seq", "xla", "blockwise", "cudnn", "pallas-triton"]
+    assert rows[0]["cudnn"] == {"error": "RuntimeError: cuDNN is not detected."}
+    assert rows[0]["pallas-triton"] > 0
+    checks = device_report.attention_checks(device_report.llama_of(shape.model), "bfloat16", "gpu")
+    assert checks == {"cudnn": {"packed": "rows of one sequence each (padding as lengths): packed rows (--pack) "
+                                          "need segments",
+                                "one sequence a row": "RuntimeError: cuDNN is not detected."},
+                      "pallas-triton": {"packed": "agrees", "one sequence a row": "agrees"}}
+    report = json.loads(json.dumps(quick_report[0]))
+    report["attention"] = {"dtype": "bfloat16", "batch": 1, "rows": rows, "checks": checks}
+    report["matmul_peak_flops"]["bfloat16"] = 1e12
+    lines = "\n".join(device_report.table(report))
+    c = report["model"]["config"]
+    flops = device_report.attention_flops(c["num_attention_heads"], c["head_dim"], 128)
+    share = flops / rows[0]["pallas-triton"] / 1e12
+    assert f"pallas-triton {rows[0]['pallas-triton'] * 1e3:,.1f} ms ({share:.0%})" in lines
+    assert "| attention check: pallas-triton | packed: agrees; one sequence a row: agrees |" in lines
+    assert device_report.failed_sections(report) == ["attention cudnn at 128 positions"]
+    assert device_report.attention_flops(32, 128, 8192) == 3.5 * 2 * 32 * 128 * 8192**2  # the causal half
+
+
 def accelerator_plan(device_report, tmp_path, bytes_limit: float, devices: int, *options: str):
     """(shape, plan) that the report would train at on `devices` accelerators of `bytes_limit` each."""
     args = device_report.build_parser().parse_args(["--dtype", "bfloat16", *options])
@@ -284,3 +313,15 @@ def test_collectives_are_timed_by_the_shared_sampler(device_report, monkeypatch)
     col = dm.collective_bandwidth(jax.devices()[:1], 2**10, repeats=5)
     assert sampled == [5, 5]
     assert col["all_reduce_seconds"] == col["all_gather_seconds"] == 0.003  # the median of the samples
+
+
+def test_the_gpu_session_script_parses_and_fits_its_time(device_report):
+    """bench/gpu_session.sh: valid bash, every device_report command line one the report's parser takes, and the
+    measurements' limits together within 8 minutes of device time."""
+    script = ROOT / "bench" / "gpu_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True).returncode == 0
+    calls = re.findall(r"^measure (\S+) (\d+)(.*)$", script.read_text(), re.MULTILINE)
+    assert [name for name, _, _ in calls][0] == "report" and len(calls) == 4
+    for _, _, args in calls:
+        device_report.build_parser().parse_args(args.split())
+    assert sum(int(limit) for _, limit, _ in calls) <= 8 * 60

@@ -206,7 +206,7 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
         lines.append(f"frozen projections {quantization.scheme} in blocks of {quantization.block} "
                      f"({quantization_source}): codes and float32 scales, dequantized layer by layer")
     lines += [f"batch {config.batch_size} x seq {config.seq_len}, grad accumulation {config.grad_accum}, "
-              f"dtype {config.dtype}, remat {config.remat}, attention {config.attention_impl(mesh.shape['cp'])}, "
+              f"dtype {config.dtype}, remat {config.remat}, attention {_attention_line(config, mesh.shape['cp'])}, "
               f"loss chunk {config.loss_chunk or 'none'}, MLP chunk {config.mlp_chunk or 'none'}"]
     if config.preference:
         reference = config.reference_model()
@@ -285,3 +285,12 @@ def _compile(config: TrainConfig, llama: ModelConfig, mesh, dtype, param_dtype,
             train_step, _ = jit_steps(graphdef, config, tx, schedule, state, frozen, mesh, DEFAULT_RULES)
             compiled = train_step.lower(state, frozen, batch).compile()
     return compiled, {"base": base, "lora": lora, "opt_state": opt_state, "batch": batch}
+
+
+def _attention_line(config: TrainConfig, cp: int) -> str:
+    impl = config.attention_impl(cp)
+    if config.attention in ("xla", "blockwise", impl):
+        return impl
+    if config.attention == "auto":
+        return f"{impl} (auto: on an NVIDIA GPU a fused kernel may serve the run instead)"
+    return f"{impl} (standing in for {config.attention}, which a CPU cannot compile: both hold O(seq) a row)"

@@ -16,6 +16,7 @@ from finetune.config import TrainConfig
 from finetune.data.packing import PackedRows
 from finetune.data.pairs import PairRows
 from finetune.data.prepare import pack_data, tokenize_data
+from finetune.step.attention_choice import choose_attention
 from finetune.step.checks import check_batch_split, check_rank, check_seq_len
 from finetune.step.memory import sharding_table
 from finetune.step.mesh import initialize_distributed, make_mesh
@@ -96,9 +97,12 @@ def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dic
 
     config = with_adapter_shape(config)
     param_dtype = None if config.param_dtype == "keep" else DTYPES[config.param_dtype]
+    attention = choose_attention(config, llama, mesh.shape.get("cp", 1))
+    if main:
+        print(attention.why, flush=True)
     with jax.set_mesh(mesh):
         model = load_pretrained(model_dir, mesh=mesh, dtype=DTYPES[config.dtype], param_dtype=param_dtype,
-                                remat=config.remat, attention=config.attention_impl(mesh.shape.get("cp", 1)),
+                                remat=config.remat, attention=attention.impl,
                                 mlp_chunk=config.mlp_chunk, rules=rules)
         if config.init_adapter:
             load_peft_adapter(model, config.init_adapter)
