@@ -2,10 +2,14 @@
 op grouped by the part of the model it computes, with the matmuls' FLOPs and rates.
 
     python bench/step_profile.py [--shape bench] [--dtype float32] [--steps 3] [--json PATH]
+    python bench/step_profile.py --shape 8b --dtype bfloat16 --batch 4 --seq 2048     # on a GPU
 
 The step is the one `finetune-lora` runs (`finetune.step.train_step.jit_steps` through bench/device_measure.py's
 `build_step`) with bench/dtypes.py's command at its shape: bench/train.py's batch, LoRA and optimizer, `--dtype`
-and `--param-dtype` the given dtype, the other options finetune-lora's defaults, one device.
+and `--param-dtype` the given dtype, the other options finetune-lora's defaults (`--attention auto`: on an NVIDIA
+GPU the fused kernel the run would take), one device. `--shape 8b` is Llama 3.1 8B's widths (all 32 layers unless
+`--layers`, random weights: bench/device_report.py's accelerator model); `--batch`, `--seq` and `--attention`
+replace bench/train.py's 4 x 256 and the default attention.
 
 How the table is made:
 - Part: each op's HLO metadata names the `jax.named_scope`s it was traced in (jaxmodel/scopes.py: projections,
@@ -20,7 +24,8 @@ How the table is made:
 - Matmul GFLOP: 2 x the output's size x the contracted size of every dot in the compiled program, as often as it
   runs; GFLOP/s: those over the part's wall time.
 - The last line: the model's FLOPs a step (4N + 12·L·T·H a token, finetune/train/metrics.py) at the matmul peak
-  measured in the same run (`measure_peak_flops`), against the untraced step's median time: the step's MFU.
+  measured in the same run (`measure_peak_flops`, 2048² on a CPU, 8192² on an accelerator), against the untraced
+  step's median time: the step's MFU.
 
 Op events are matched to the compiled program by the HLO instruction their `hlo_op` argument names (XLA:CPU's
 profiler also names the event so). Where the trace has device rows (`/device:...` processes: a GPU's or TPU's
@@ -42,12 +47,14 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_runs import OneLineErrorParser, cpu_description, positive  # noqa: E402
 from dtypes import SHAPES  # noqa: E402
 from train import ALPHA, BATCH, LR, RANK, SEQ, TARGETS, step_times  # noqa: E402
 
+from finetune.config import TrainConfig  # noqa: E402
 from finetune.planning.hlo_cost import Instruction, matmul_flops, parse_hlo  # noqa: E402
 from finetune.planning.plan_json import json_path_problem  # noqa: E402
 
@@ -55,6 +62,8 @@ from jaxmodel import scopes  # noqa: E402
 
 PROG = "step_profile.py"
 SCAN, ZERO_FILL, OTHER = "layer scan", "zero fill", "other"
+WIDE = "8b"  # --shape: Llama 3.1 8B's widths
+ATTENTION_CHOICES = get_args(get_type_hints(TrainConfig)["attention"])  # finetune-lora's --attention
 # the scan's own ops: `jax.lax.scan` slices its inputs and writes its outputs with these
 _SCAN_OPS = ("dynamic_index_in_dim", "dynamic_update_index_in_dim")
 # `transpose(jvp(lm_head))` and the like: a scope traced at the top of a differentiated function
@@ -155,11 +164,16 @@ def print_table(table: dict) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """This benchmark's options (tests/test_docs_commands.py parses the docs' command lines with it)."""
     parser = OneLineErrorParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="bench",
-                        help="the model's shape: bench/train.py's (default) or a pretrained model's (bench/dtypes.py)")
+    parser.add_argument("--shape", choices=[*sorted(SHAPES), WIDE], default="bench",
+                        help="the model's shape: bench/train.py's (default), a pretrained model's (bench/dtypes.py) "
+                             "or Llama 3.1 8B's widths (8b)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="--dtype and --param-dtype of the step (default float32)")
     parser.add_argument("--layers", type=positive, help="decoder layers (default: the shape's)")
+    parser.add_argument("--batch", type=positive, default=BATCH, help=f"rows a step (default {BATCH})")
+    parser.add_argument("--seq", type=positive, default=SEQ, help=f"tokens a row (default {SEQ})")
+    parser.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto",
+                        help="finetune-lora's --attention (default auto)")
     parser.add_argument("--steps", type=positive, default=3, help="steps timed untraced, and steps traced (default 3)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     return parser
@@ -173,18 +187,21 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from finetune.config import TrainConfig
     from finetune.step.flops import flops_per_token
     from finetune.train.metrics import measure_peak_flops
     from jaxmodel.config import ModelConfig
 
-    shape = {**SHAPES[args.shape], "rms_norm_eps": 1e-5}
+    if args.shape == WIDE:
+        from device_report import WIDE_MODEL
+        shape = {**WIDE_MODEL, "rms_norm_eps": 1e-5}
+    else:
+        shape = {**SHAPES[args.shape], "rms_norm_eps": 1e-5}
     if args.layers:
         shape["num_hidden_layers"] = args.layers
     llama = ModelConfig.from_hf({"model_type": "llama", **shape})
-    config = TrainConfig(mesh="dp=1,fsdp=1,mp=1", batch_size=BATCH, seq_len=SEQ, dtype=args.dtype,
+    config = TrainConfig(mesh="dp=1,fsdp=1,mp=1", batch_size=args.batch, seq_len=args.seq, dtype=args.dtype,
                          param_dtype=args.dtype, rank=RANK, alpha=ALPHA, targets=",".join(TARGETS), lr=LR,
-                         schedule="constant", clip_norm=0.0, steps=10**6)
+                         schedule="constant", clip_norm=0.0, steps=10**6, attention=args.attention)
     step = dm.build_step(llama, config, jax.devices()[:1])
     for _ in range(2):
         step.run()
@@ -195,10 +212,12 @@ def main() -> None:
             step.run()
         jax.profiler.stop_trace()
         table = profile_table(op_events(trace_dir), step.compiled.as_text(), args.steps)
-    peak = measure_peak_flops(getattr(jnp, args.dtype), 2048, 10)
-    model_flops = flops_per_token(llama, SEQ) * BATCH * SEQ
-    print(f"CPU: {cpu_description()}; shape {args.shape} ({llama.num_hidden_layers} layers); batch {BATCH} x seq "
-          f"{SEQ}; {args.dtype}; {args.steps} steps traced\n")
+    on_cpu = jax.default_backend() == "cpu"
+    peak = measure_peak_flops(getattr(jnp, args.dtype), 2048 if on_cpu else 8192, 10)
+    model_flops = flops_per_token(llama, args.seq) * args.batch * args.seq
+    machine = f"CPU: {cpu_description()}" if on_cpu else f"device: {jax.devices()[0].device_kind}"
+    print(f"{machine}; shape {args.shape} ({llama.num_hidden_layers} layers); batch {args.batch} x seq {args.seq}; "
+          f"{args.dtype}; attention {step.attention}; {args.steps} steps traced\n")
     print_table(table)
     print(f"\nstep {seconds:.3f} s untraced (median of {args.steps}); model FLOPs {model_flops / 1e9:.1f} GFLOP a "
           f"step, at the {args.dtype} matmul peak of {peak / 1e9:.0f} GFLOP/s measured now: "
@@ -206,7 +225,8 @@ def main() -> None:
     if args.json:
         rows = {f"{part} {kind}": row for (part, kind), row in table["rows"].items()}
         Path(args.json).write_text(json.dumps({
-            "shape": args.shape, "dtype": args.dtype, "layers": llama.num_hidden_layers, "step_seconds": seconds,
+            "shape": args.shape, "dtype": args.dtype, "layers": llama.num_hidden_layers, "batch": args.batch,
+            "seq": args.seq, "attention": step.attention, "machine": machine, "step_seconds": seconds,
             "model_flops": model_flops, "matmul_peak_flops": peak, "traced_step_ms": table["span_ms"],
             "idle_ms": table["idle_ms"], "parts": rows}, indent=1))
 

@@ -1,4 +1,5 @@
-"""Stream HuggingFace checkpoints (Llama 3.x, Mistral, Qwen2/2.5, Qwen3) into the JAX port's checkpoint format.
+"""Stream HuggingFace checkpoints (Llama 3.x, Mistral, Qwen2/2.5, Qwen3, Gemma 3) into the JAX port's
+checkpoint format.
 
 `convert(src, out)` is `convert-llama`; `verify(out)` re-reads a converted checkpoint against its checksums.
 """

@@ -12,8 +12,8 @@ from jaxmodel.errors import UserError, report
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="convert-llama",
-        description="Convert a HuggingFace checkpoint of Llama 3.x, Mistral, Qwen2/2.5 or Qwen3 (local directory or "
-                    "hub id) into the JAX checkpoint format, streaming tensor by tensor.",
+        description="Convert a HuggingFace checkpoint of Llama 3.x, Mistral, Qwen2/2.5, Qwen3 or Gemma 3 "
+                    "(local directory or hub id) into the JAX checkpoint format, streaming tensor by tensor.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--src", required=True, help="checkpoint directory, or hub id such as meta-llama/Llama-3.1-8B")

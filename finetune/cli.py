@@ -9,8 +9,8 @@ import sys
 from finetune.config import load_config
 from jaxmodel.errors import UserError, report
 
-DESCRIPTION = """LoRA fine-tuning of a converted checkpoint (Llama 3.x, Mistral, Qwen2/2.5, Qwen3) on a (dp, fsdp, cp, mp)
-device mesh.
+DESCRIPTION = """LoRA fine-tuning of a converted checkpoint (Llama 3.x, Mistral, Qwen2/2.5, Qwen3, Gemma 3) on a
+(dp, fsdp, cp, mp) device mesh.
 
   finetune-lora --model CONVERTED_DIR --data train.jsonl --out RUN_DIR [--mesh dp=1,fsdp=8,mp=1] ...
   finetune-lora --plan --model-config config.json --mesh dp=1,fsdp=8,mp=1 --batch-size 16 --seq-len 64

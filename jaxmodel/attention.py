@@ -335,6 +335,9 @@ def _flash(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, q
 def _flash_fwd(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, q_len: int, scale: float):
     out_nbkqh, lse_nbkq = _flash_forward(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, q_len,
                                          scale)
+    # Named like the plain path's batched dots: under `dots` a remat'd layer keeps the output and log-sum-exp
+    # instead of running the whole forward loop again to rebuild them for the backward's residuals.
+    out_nbkqh, lse_nbkq = saved_residual(out_nbkqh, batched=True), saved_residual(lse_nbkq, batched=True)
     return out_nbkqh, (q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, q_offset, window, out_nbkqh, lse_nbkq)
 
 

@@ -323,3 +323,29 @@ def test_remat_dots_keeps_the_softmax_probabilities_and_computes_no_exponential_
     for got, want in zip(jax.jit(jax.grad(kept, argnums=(0, 1, 2)))(q, kk, v),
                          jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kk, v)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_remat_dots_keeps_the_blockwise_output_and_runs_its_forward_loop_once(dtype):
+    """Under `dots` the blockwise path's output and log-sum-exp are kept like the plain path's batched dots: the
+    gradient runs as many loops and exponentials as without rematerialisation (`dots_no_batch`, which keeps no
+    batched dot, runs the forward loop again), and equals it."""
+    from jaxmodel.matmul import DOT_POLICIES
+
+    b, t, n, k, h = 1, 4 * attention_module.BLOCK_Q, 4, 2, 16
+    rng = np.random.default_rng(6)
+    q, kk, v = (jnp.asarray(rng.normal(size=(b, t, heads, h)), dtype) for heads in (n, k, k))
+
+    def loss(q, kk, v):
+        return (attention(q, kk, v, impl="blockwise").astype(jnp.float32) ** 2).sum()
+
+    def loops_and_exps(f):
+        jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, kk, v).jaxpr
+        return tuple(count_eqns(jaxpr, lambda eqn: eqn.primitive.name == name) for name in ("scan", "exp"))
+
+    kept = jax.checkpoint(loss, policy=DOT_POLICIES["dots"])
+    assert loops_and_exps(kept) == loops_and_exps(loss)
+    assert loops_and_exps(jax.checkpoint(loss, policy=DOT_POLICIES["dots_no_batch"]))[0] > loops_and_exps(loss)[0]
+    for got, want in zip(jax.jit(jax.grad(kept, argnums=(0, 1, 2)))(q, kk, v),
+                         jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kk, v)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

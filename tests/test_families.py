@@ -319,7 +319,7 @@ def adapted(jax_dir, lora_config: LoraConfig):
 
 
 @pytest.mark.slow
-def test_exported_adapter_serves_in_peft_with_identical_outputs(tmp_path, family_checkpoint):
+def test_exported_adapter_serves_in_peft_with_identical_outputs_and_reads_back(tmp_path, family_checkpoint):
     model_type, hf_dir, jax_dir = family_checkpoint
     lora_config = LoraConfig(rank=4, alpha=8.0)
     model = adapted(jax_dir, lora_config)
@@ -337,6 +337,8 @@ def test_exported_adapter_serves_in_peft_with_identical_outputs(tmp_path, family
     assert np.abs(theirs - plain).max() > 1e-3
     assert np.abs(ours - theirs).max() <= f32_tolerance(theirs)
     assert np.abs(by_auto - theirs).max() <= f32_tolerance(theirs)
+    read_back = load_peft_adapter(load_pretrained(jax_dir), adapter)
+    np.testing.assert_array_equal(np.asarray(read_back(jnp.asarray(ids, jnp.int32))), ours)
 
 
 @pytest.mark.slow
@@ -492,3 +494,22 @@ def test_a_multimodal_gemma3_converts_its_decoder_and_its_adapter_serves_in_peft
     assert len(adapted_modules) == 2 * 7 and all(".language_model." in n for n in adapted_modules)
     with pytest.raises(MergeBaseError, match="weights outside its decoder"):
         MergeBase(tmp_path / "jax")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2.5-72b", "gemma-3-27b"])  # biases; a multimodal file, sandwich and q/k norms
+def test_a_published_config_plans_transformers_parameter_count(name, tmp_path, default_allocator):
+    """`--plan --model-config` on the published configs the docs plan (bench/configs): the frozen parameters it
+    counts are those of transformers' own causal-LM class built from the same file (a multimodal config's text
+    model), and the step compiles on 8 devices."""
+    from finetune import TrainConfig
+    from finetune.planning.plan import plan
+
+    path = Path(__file__).parent.parent / "bench" / "configs" / f"{name}-config.json"
+    (tmp_path / "config.json").write_text(path.read_text())
+    config = AutoConfig.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(getattr(config, "text_config", config))
+    report = plan(TrainConfig(plan=True, model_config=str(path), mesh="dp=1,fsdp=8,mp=1", batch_size=8,
+                              seq_len=128, remat="full").validate())
+    assert report.frozen_parameters == sum(p.numel() for p in model.parameters())

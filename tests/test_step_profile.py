@@ -114,6 +114,8 @@ def test_a_device_trace_counts_its_kernels_by_their_hlo_op_and_not_the_hosts_lau
 @pytest.mark.parametrize("args, named", [
     (["--steps", "0"], "--steps"),
     (["--layers", "two"], "--layers"),
+    (["--seq", "0"], "--seq"),
+    (["--attention", "flash"], "--attention"),
     (["--json", "/nonexistent-dir/profile.json"], "--json /nonexistent-dir/profile.json"),
     (["--json", "."], "--json ."),
 ])
@@ -131,15 +133,17 @@ def test_the_real_steps_matmul_flops_per_part_are_the_models(tmp_path):
     from jaxmodel import scopes
 
     path, layers = tmp_path / "profile.json", 2  # with one layer, XLA drops its unused input gradients
+    batch, seq = 2, 128  # not bench/train.py's 4 x 256: the options are the step's
     run = subprocess.run([sys.executable, "bench/step_profile.py", "--layers", str(layers), "--steps", "1", "--json",
-                          str(path)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
-                         check=False)
+                          str(path), "--batch", str(batch), "--seq", str(seq), "--attention", "blockwise"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600, env=os.environ.copy(), check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(path.read_text())
+    assert (report["batch"], report["seq"], report["attention"]) == (batch, seq, "blockwise")
     sys.path.insert(0, str(ROOT / "bench"))
-    from train import BATCH, CONFIG, RANK, SEQ
+    from train import CONFIG, RANK
 
-    tokens, d, f, v = BATCH * SEQ, CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["vocab_size"]
+    tokens, d, f, v = batch * seq, CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["vocab_size"]
     q, kv = CONFIG["num_attention_heads"] * CONFIG["head_dim"], CONFIG["num_key_value_heads"] * CONFIG["head_dim"]
     shapes = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]  # (in, out) of the seven projections
     parts = report["parts"]
