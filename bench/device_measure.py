@@ -247,16 +247,19 @@ def device_peak_bytes(devices: list) -> float | None:
 
 # ---- attention ---------------------------------------------------------------------------------------------
 
-def attention_seconds(llama: ModelConfig, dtype, seq: int, impl: str, repeats: int = 3) -> float:
+def attention_seconds(llama: ModelConfig, dtype, seq: int, impl: str, repeats: int = 3,
+                      block: tuple[int, int] | None = None) -> float:
     """Median seconds of the forward + backward of one attention call (batch 1, the model's heads, one packed
-    row of `seq` positions) on the default device, by `impl` ("xla" dense scores, or "blockwise")."""
+    row of `seq` positions) on the default device, by `impl` (`jaxmodel.attention.ATTENTION_IMPLS`); `block`:
+    the blockwise path's (block_q, block_kv) instead of its defaults."""
+    blocks = {} if block is None else {"block_q": block[0], "block_kv": block[1]}
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (1, seq, llama.num_attention_heads, llama.head_dim), dtype)
     k, v = (jax.random.normal(key, (1, seq, llama.num_key_value_heads, llama.head_dim), dtype) for key in keys[1:])
     segments = jnp.ones((1, seq), jnp.int32)
 
     def loss(q, k, v):
-        out = attention(q, k, v, q_segment_ids=segments, kv_segment_ids=segments, impl=impl)
+        out = attention(q, k, v, q_segment_ids=segments, kv_segment_ids=segments, impl=impl, **blocks)
         return jnp.sum(out.astype(jnp.float32))
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))

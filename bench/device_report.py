@@ -22,8 +22,9 @@ checkpoint, no network, no torch. It measures, on the devices JAX sees:
                      an NVIDIA GPU, the fused kernels (`cudnn`, `pallas-triton`), at the model's heads for a row
                      of each sequence length that fits (dense: scores at most half the device; up to
                      DENSE_SEQ_WITHOUT_LIMIT positions where the device reports no limit), with the share of the
-                     matmul peak in attention FLOPs; and each kernel's check against the blockwise path (the one
-                     a run passes before it takes the kernel);
+                     matmul peak in attention FLOPs; the blockwise path with each of BLOCK_SIZES at one length
+                     (8192 positions on an accelerator); and each kernel's check against the blockwise path (the
+                     one a run passes before it takes the kernel);
   memory bandwidth   an elementwise op's, by the bytes it moves (64 KiB to 256 MiB), inside a compiled loop, and
                      the rate of exp (bench/device_measure.py); with the matmul peak, the figures `--plan` predicts
                      a step's time from (`--device-model report.json`): the report gives that prediction for its
@@ -105,6 +106,9 @@ PARITY_LAYERS = 2  # of the step's model: enough to pass through the layer scan;
 # Dense attention's longest length on an accelerator that reports no memory limit: its float32 scores for one row
 # of Llama 3.1 8B's 32 heads take 6.4 GB there, and 100 GB at 16384 positions.
 DENSE_SEQ_WITHOUT_LIMIT = 4096
+# The blockwise path's (block_q, block_kv) timed against each other: jaxmodel/attention.py's 256 x 256 is a CPU
+# figure, to be chosen per backend from these.
+BLOCK_SIZES = ((128, 128), (256, 256), (512, 512), (128, 512), (512, 128))
 
 
 @dataclasses.dataclass
@@ -117,6 +121,7 @@ class Shape:
     steps: int
     matmul_size: int
     attention_seqs: tuple[int, ...]
+    block_seq: int  # the length the blockwise path's block sizes are timed at (BLOCK_SIZES)
     collective_bytes: int  # per device
     parity_seq: int
     sized: str
@@ -159,10 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
 def cpu_shape(quick: bool) -> Shape:
     if quick:
         return Shape(QUICK_MODEL, batch=2, seq=64, devices=1, steps=2, matmul_size=256, attention_seqs=(64, 128),
-                     collective_bytes=2**20, parity_seq=16, sized="--quick: a tiny fixed model",
+                     block_seq=128, collective_bytes=2**20, parity_seq=16, sized="--quick: a tiny fixed model",
                      skipped=["everything at a real size (--quick)"])
     return Shape(CPU_MODEL, batch=4, seq=256, devices=1, steps=5, matmul_size=2048, attention_seqs=(256, 512),
-                 collective_bytes=16 * 2**20, parity_seq=64,
+                 block_seq=512, collective_bytes=16 * 2**20, parity_seq=64,
                  sized="fixed CPU shape (one device: simulated CPU devices share the cores)",
                  skipped=["Llama 3.1 8B widths sized to device memory (accelerators only)",
                           "attention at 1024 positions and more", "matmul peak at 8192² (2048² here)",
@@ -189,7 +194,7 @@ def accelerator_shape(bytes_limit: float | None, devices: int, itemsize: int) ->
                  f"activations <= {ACTIVATION_SHARE:.0%} of one, then checked with --plan")
     return Shape({**m, "num_hidden_layers": layers}, batch=rows * devices, seq=seq, devices=devices, steps=10,
                  matmul_size=8192, attention_seqs=(1024, 2048, 4096, 8192, 16384, 32768),
-                 collective_bytes=256 * 2**20, parity_seq=128, sized=sized, skipped=[],
+                 block_seq=8192, collective_bytes=256 * 2**20, parity_seq=128, sized=sized, skipped=[],
                  resizable=bytes_limit is not None)
 
 
@@ -294,6 +299,9 @@ def failed_sections(report: dict) -> list[str]:
     """The report's measurements that ended in an error (`guarded`), by name."""
     failed = [f"attention {impl} at {r['seq']} positions" for r in report["attention"]["rows"]
               for impl in timed_impls(r) if isinstance(r[impl], dict)]
+    blocks = report["attention"].get("blocks", {})
+    failed += [f"blockwise {size} at {blocks['seq']} positions" for size, value in blocks.get("seconds", {}).items()
+               if isinstance(value, dict)]
     return failed + [name for name in ("collectives", "parity") if "error" in report[name]]
 
 
@@ -317,6 +325,15 @@ def attention_rows(shape: Shape, dtype: str, bytes_limit: float | None, platform
             row[impl] = guarded(functools.partial(dm.attention_seconds, llama, dm.DTYPES[dtype], seq, impl))
         rows.append(row)
     return rows
+
+
+def block_sizes_row(shape: Shape, dtype: str) -> dict:
+    """The blockwise path's forward + backward at `shape.block_seq` positions with each of BLOCK_SIZES."""
+    llama = llama_of(shape.model)
+    return {"seq": shape.block_seq, "seconds": {
+        f"{bq}x{bk}": guarded(functools.partial(dm.attention_seconds, llama, dm.DTYPES[dtype], shape.block_seq,
+                                                "blockwise", block=(bq, bk)))
+        for bq, bk in BLOCK_SIZES}}
 
 
 def attention_checks(llama: ModelConfig, dtype: str, platform: str) -> dict:
@@ -410,6 +427,7 @@ def measure(args) -> dict:
     platform = local[0].platform
     report["attention"] = {"dtype": args.dtype, "batch": 1,
                            "rows": attention_rows(shape, args.dtype, bytes_limit, platform),
+                           "blocks": block_sizes_row(shape, args.dtype),
                            "checks": attention_checks(llama_of(shape.model), args.dtype, platform)}
     if len(local) > 1:
         print(f"collectives over {len(local)} devices ...", flush=True)
@@ -507,6 +525,10 @@ def attention_table_rows(report: dict) -> list[str]:
 
     rows = [row(f"attention fwd+bwd, {r['seq']} positions", ", ".join(timed(r, impl) for impl in timed_impls(r)), how)
             for r in attention["rows"]]
+    if blocks := attention.get("blocks"):
+        rows.append(row(f"blockwise blocks, {blocks['seq']} positions",
+                        ", ".join(f"{size} {seconds(value)}" for size, value in blocks["seconds"].items()),
+                        "block_q x block_kv of the blockwise path; one row, as above"))
     return rows + [row(f"attention check: {impl}", "; ".join(f"{rows}: {said}" for rows, said in by_rows.items()),
                        "the check a run passes before it takes the kernel (jaxmodel/attention_check.py)")
                    for impl, by_rows in attention.get("checks", {}).items()]

@@ -7,8 +7,11 @@
 #   report.json / .txt   bench/device_report.py at its accelerator shape (Llama 3.1 8B widths, seq 2048, auto
 #                        attention: the fused kernel the run takes and why), the attention table 1k-32k with every
 #                        path (xla, blockwise, cudnn, pallas-triton; share of the bf16 peak) and each kernel's check
-#   step-*.json / .txt   the train step alone (--step-only) at 1 x 32768 (auto), then 4 x 2048 and 1 x 32768 on the
-#                        blockwise path, to set each kernel's step against the portable one
+#   step-*.json / .txt   the train step alone (--step-only) at 1 x 32768 (auto), then 4 x 2048 on the blockwise
+#                        path, to set the kernel's step against the portable one (the report's step is 2048, auto)
+#   profile-*.json/.txt  bench/step_profile.py at Llama 3.1 8B widths (16 layers), bf16, auto attention, at 4 x 2048
+#                        and 1 x 16384: where the step's time goes, by model part (XLA's command buffers off, so
+#                        that each kernel's trace event names its HLO instruction)
 #
 # A measurement that runs past its limit is cut off and the next one starts; what finished stays in the folder.
 set -u
@@ -44,7 +47,17 @@ measure() {  # NAME SECONDS ARGS...: bench/device_report.py ARGS, its table in N
   echo "   exit $? after $SECONDS s in all"
 }
 
-measure report 270
-measure step-1x32768-auto 75 --step-only --seq 32768 --batch 1
-measure step-4x2048-blockwise 60 --step-only --seq 2048 --batch 4 --attention blockwise
-measure step-1x32768-blockwise 75 --step-only --seq 32768 --batch 1 --attention blockwise
+profile() {  # NAME SECONDS ARGS...: bench/step_profile.py ARGS, its table in NAME.txt and figures in NAME.json
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (at most ${limit} s): step_profile.py $*"
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout "$limit" \
+    python bench/step_profile.py --json "$out/$name.json" "$@" > "$out/$name.txt" 2>&1
+  echo "   exit $? after $SECONDS s in all"
+}
+
+measure report 240
+measure step-1x32768-auto 70 --step-only --seq 32768 --batch 1 --steps 3
+measure step-4x2048-blockwise 50 --step-only --seq 2048 --batch 4 --steps 5 --attention blockwise
+profile profile-4x2048 60 --shape 8b --layers 16 --dtype bfloat16 --batch 4 --seq 2048 --steps 2
+profile profile-1x16384 60 --shape 8b --layers 16 --dtype bfloat16 --batch 1 --seq 16384 --steps 2

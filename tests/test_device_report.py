@@ -50,6 +50,10 @@ def test_report_has_every_figure_and_they_are_positive(quick_report):
     assert memory["plan_peak_bytes"] >= memory["plan_compiler_bytes"] > 0
     rows = report["attention"]["rows"]
     assert len(rows) == 2 and all(row["xla"] > 0 and row["blockwise"] > 0 for row in rows)
+    blocks = report["attention"]["blocks"]
+    assert blocks["seq"] == 128 and all(seconds > 0 for seconds in blocks["seconds"].values())
+    assert list(blocks["seconds"]) == ["128x128", "256x256", "512x512", "128x512", "512x128"]
+    assert "| blockwise blocks, 128 positions | 128x128 " in stdout
     assert "| LoRA train step |" in stdout and "| logits parity |" in stdout  # the table
     table = report["memory_bandwidth"]["table"]
     assert [size for size, _ in table] == sorted(size for size, _ in table) and all(bw > 0 for _, bw in table)
@@ -281,10 +285,12 @@ def test_a_failing_measurement_is_reported_and_the_others_kept(device_report, qu
     report["parity"] = failed
     report["collectives"] = failed
     report["attention"]["rows"][1]["xla"] = failed
+    report["attention"]["blocks"]["seconds"]["512x512"] = failed
     lines = "\n".join(device_report.table(report))
-    assert lines.count("failed: RuntimeError: RESOURCE_EXHAUSTED") == 3, lines
+    assert lines.count("failed: RuntimeError: RESOURCE_EXHAUSTED") == 4, lines
     assert "| LoRA train step |" in lines
-    assert device_report.failed_sections(report) == ["attention xla at 128 positions", "collectives", "parity"]
+    assert device_report.failed_sections(report) == ["attention xla at 128 positions",
+                                                     "blockwise 512x512 at 128 positions", "collectives", "parity"]
     assert device_report.failed_sections(quick_report[0]) == []
 
 
@@ -316,12 +322,15 @@ def test_collectives_are_timed_by_the_shared_sampler(device_report, monkeypatch)
 
 
 def test_the_gpu_session_script_parses_and_fits_its_time(device_report):
-    """bench/gpu_session.sh: valid bash, every device_report command line one the report's parser takes, and the
-    measurements' limits together within 8 minutes of device time."""
+    """bench/gpu_session.sh: valid bash, every device_report and step_profile command line one its parser takes,
+    and the measurements' limits together within 8 minutes of device time."""
+    from step_profile import build_parser as profile_parser
+
     script = ROOT / "bench" / "gpu_session.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True).returncode == 0
-    calls = re.findall(r"^measure (\S+) (\d+)(.*)$", script.read_text(), re.MULTILINE)
-    assert [name for name, _, _ in calls][0] == "report" and len(calls) == 4
-    for _, _, args in calls:
-        device_report.build_parser().parse_args(args.split())
-    assert sum(int(limit) for _, limit, _ in calls) <= 8 * 60
+    calls = re.findall(r"^(measure|profile) (\S+) (\d+)(.*)$", script.read_text(), re.MULTILINE)
+    assert calls[0][:2] == ("measure", "report") and len(calls) == 5
+    parsers = {"measure": device_report.build_parser(), "profile": profile_parser()}
+    for kind, _, _, args in calls:
+        parsers[kind].parse_args(args.split())
+    assert sum(int(limit) for _, _, limit, _ in calls) <= 8 * 60
