@@ -25,6 +25,12 @@ def run_without(modules: tuple[str, ...], code: str) -> subprocess.CompletedProc
 def run_multihost_worker(model, data, out, *extra: str, processes: int = 2) -> None:
     """Run tests/multihost_worker.py as `processes` processes joined over loopback (each with its own
     simulated devices, so without the suite's XLA_FLAGS); fails with a process's stderr if one fails."""
+    run_processes("multihost_worker.py", [str(model), str(data), str(out)], list(extra), processes)
+
+
+def run_processes(worker: str, before: list[str], after: list[str], processes: int = 2) -> None:
+    """tests/`worker` as `processes` processes, each given `before`, a free loopback port, its process id and
+    `after`; fails with a process's stderr if one fails."""
     import os
     import socket
     from pathlib import Path
@@ -32,10 +38,10 @@ def run_multihost_worker(model, data, out, *extra: str, processes: int = 2) -> N
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    worker = Path(__file__).parent / "multihost_worker.py"
+    path = Path(__file__).parent / worker
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, str(worker), str(model), str(data), str(out), str(port), str(i),
-                               *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, str(path), *before, str(port), str(i), *after], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(processes)]
     results = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, results):

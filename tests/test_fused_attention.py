@@ -5,6 +5,7 @@ packed documents; the refusals; the check a kernel passes before a run takes it;
 the dot policies; and the choice of a run's attention path (finetune/step/attention_choice.py)."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -250,6 +251,17 @@ def test_every_process_takes_the_same_attention(monkeypatch, others, impl):
     assert choice.impl == impl
     if impl == "blockwise":
         assert choice.why == "attention: blockwise (the processes' checks differed: ['cudnn', 'pallas-triton'])"
+
+
+def test_two_processes_whose_checks_differ_both_take_the_portable_path(tmp_path):  # xla at 256 positions
+    """Two real processes joined over loopback: process 1's check refuses the Pallas kernel that process 0's
+    takes; both take the portable path, and say why."""
+    from isolation import run_processes
+
+    run_processes("attention_choice_worker.py", [str(tmp_path)], [])
+    choices = [json.loads((tmp_path / f"choice-{i}.json").read_text()) for i in range(2)]
+    assert choices[0] == choices[1] == {
+        "impl": "xla", "why": "attention: xla (the processes' checks differed: ['pallas-triton', 'xla'])"}
 
 
 def run_grads(tiny_converted, tmp_path, attention, dtype):
