@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmodel import scopes
+from jaxmodel.context_parallel import cp_size
 from jaxmodel.matmul import einsum_acc32, saved_as_dot
 from jaxmodel.quantization import Quantization, dequantize
 from jaxmodel.sharding import DEFAULT_RULES, Rules, constrain
@@ -83,10 +84,12 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
         """`dropout_key` switches on dropout of the LoRA branch's input (training only)."""
         # Tokens are flattened to one axis: the CPU backend's matmuls (and their gradients) run
-        # markedly faster on 2-D operands than with batch and sequence kept apart (bench/train.py).
+        # markedly faster on 2-D operands than with batch and sequence kept apart (bench/train.py). Not
+        # under `cp`: a device's `[rows, seq / cp]` tokens are then no single tile of the flattened axis, and
+        # XLA gathers every projection's input and output over `cp` (and reduces LoRA's products) instead.
         with jax.named_scope(scopes.PROJECTION):
             *lead, in_features = x.shape
-            x_ni = x.reshape(-1, in_features).astype(self.dtype)
+            x_ni = (x if cp_size() > 1 else x.reshape(-1, in_features)).astype(self.dtype)
             if self.quantization is None:
                 y_no = _matmul(x_ni, self.weight[...].astype(self.dtype))
             else:
@@ -100,7 +103,7 @@ class Linear(nnx.Module):
             return y_no.reshape(*lead, y_no.shape[-1])
 
     def lora_delta(self, x_ni: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-        """The LoRA branch `scale * (dropout(x) A) B`, float32 `[n, out]` for tokens `x_ni` `[n, in]`."""
+        """The LoRA branch `scale * (dropout(x) A) B`, float32 `[..., out]` for tokens `x_ni` `[..., in]`."""
         with jax.named_scope(scopes.LORA):
             # Scale the small [n, r] product, not the [n, out] one: its gradient is then cheap too.
             x_lora = x_ni.astype(jnp.float32)
@@ -109,15 +112,15 @@ class Linear(nnx.Module):
                 x_lora = jnp.where(keep, x_lora / (1.0 - self.lora_dropout), 0.0)
             # einsum_acc32 for its gradients' layout on the CPU (jaxmodel.matmul), on float32 operands; `xa` is
             # kept by the dot remat policies as a plain dot's output would be.
-            xa_nr = einsum_acc32("ni,ir->nr", x_lora, self.lora_a[...].astype(jnp.float32))
+            xa_nr = einsum_acc32("...i,ir->...r", x_lora, self.lora_a[...].astype(jnp.float32))
             xa_nr = saved_as_dot(xa_nr * self.lora_scale)
-            return einsum_acc32("nr,ro->no", xa_nr, self.lora_b[...].astype(jnp.float32))
+            return einsum_acc32("...r,ro->...o", xa_nr, self.lora_b[...].astype(jnp.float32))
 
 
 def _matmul(x_ni: jax.Array, w_oi: jax.Array) -> jax.Array:
-    """`x @ w.T` `[n, out]`, accumulated and returned in float32: the form of a bf16 matmul that XLA:CPU runs
-    in bf16 (`jaxmodel.matmul`)."""
-    return einsum_acc32("ni,oi->no", x_ni, w_oi)
+    """`x @ w.T` `[..., out]`, accumulated and returned in float32: the form of a bf16 matmul that XLA:CPU
+    runs in bf16 (`jaxmodel.matmul`)."""
+    return einsum_acc32("...i,oi->...o", x_ni, w_oi)
 
 
 # Nothing inside is saved for the backward pass, which dequantizes again: saved, the dequantized weight of

@@ -296,8 +296,8 @@ def test_a_run_named_to_a_kernel_checks_it_says_so_and_trains_within_the_bound(t
     factor."""
     impl, kernel = run_grads(tiny_converted, tmp_path, "pallas-triton", "bfloat16")
     assert impl == "pallas-triton"
-    assert "attention: pallas-triton (agrees with the portable path on a check of this run's heads in bfloat16)" \
-        in capsys.readouterr().out
+    assert "finetune-lora: attention: pallas-triton (agrees with the portable path on a check of this run's heads " \
+        "in bfloat16)" in capsys.readouterr().err
     _, portable = run_grads(tiny_converted, tmp_path, "blockwise", "bfloat16")
     _, reference = run_grads(tiny_converted, tmp_path, "blockwise", "float32")
     for got, port, want in zip(kernel, portable, reference):
