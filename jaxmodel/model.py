@@ -115,7 +115,7 @@ class MLP(nnx.Module):
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, axes=("embed", "mlp"), **kw)
         self.activation = c.hidden_act
 
-    def __call__(self, x_btd, key=None, chunk: int = 0):
+    def __call__(self, x_btd, key=None, chunk: int = 0, rules: Rules = DEFAULT_RULES):
         """With `chunk`, tokens go through in chunks of `chunk` positions per device (a scan with remat), so
         the `[tokens, intermediate]` activations and their gradients exist for one chunk at a time."""
         b, t, d = x_btd.shape
@@ -125,17 +125,24 @@ class MLP(nnx.Module):
         n = t // cp // chunk
         x_nbccd = x_btd.reshape(b, cp, n, chunk, d).transpose(2, 0, 1, 3, 4)
         keys = None if key is None else jax.random.split(key, n)
+        # A chunk's [tokens, intermediate] values pinned where its tokens are (rows over the batch axes, its part
+        # of the sequence over cp, the intermediate over mp), and so their gradients: unpinned, XLA split a wide
+        # model's chunk over the intermediate axis in the backward pass instead, with all-to-alls of every
+        # chunk's gradients (405B at 8 x 8192 on fsdp=8: 1.4 TB a step).
+        def pin(x_bcci):
+            return constrain(x_bcci, ("act_batch", "act_seq", None, "mlp"), rules)
 
         def step(_, xs):
             x_bccd, chunk_key = xs
-            return None, self._swiglu(x_bccd, chunk_key)
+            return None, self._swiglu(x_bccd, chunk_key, pin)
 
         _, y_nbccd = jax.lax.scan(jax.checkpoint(step, prevent_cse=False), None, (x_nbccd, keys))
         return y_nbccd.transpose(1, 2, 0, 3, 4).reshape(b, t, d)
 
-    def _swiglu(self, x, key=None):
+    def _swiglu(self, x, key=None, pin=lambda x: x):
         keys = _split(key, 3)
-        return self.down_proj(swiglu(self.gate_proj(x, keys[0]), self.up_proj(x, keys[1]), self.activation), keys[2])
+        gated = swiglu(pin(self.gate_proj(x, keys[0])), pin(self.up_proj(x, keys[1])), self.activation)
+        return self.down_proj(pin(gated), keys[2])
 
 
 class DecoderLayer(nnx.Module):
@@ -158,14 +165,15 @@ class DecoderLayer(nnx.Module):
         else:
             self.attn_output_norm = self.mlp_output_norm = None
 
-    def __call__(self, x_btd, cos_bth, sin_bth, mask: dict, kv, cache_index, key=None, mlp_chunk: int = 0):
+    def __call__(self, x_btd, cos_bth, sin_bth, mask: dict, kv, cache_index, key=None, mlp_chunk: int = 0,
+                 rules: Rules = DEFAULT_RULES):
         attn_key, mlp_key = _split(key, 2)
         attn_btd, kv = self.self_attn(self.input_layernorm(x_btd), cos_bth, sin_bth, mask, kv, cache_index,
                                       attn_key)
         if self.attn_output_norm is not None:
             attn_btd = self.attn_output_norm(attn_btd)
         h_btd = x_btd + attn_btd
-        mlp_btd = self.mlp(self.post_attention_layernorm(h_btd), mlp_key, mlp_chunk)
+        mlp_btd = self.mlp(self.post_attention_layernorm(h_btd), mlp_key, mlp_chunk, rules)
         if self.mlp_output_norm is not None:
             mlp_btd = self.mlp_output_norm(mlp_btd)
         return h_btd + mlp_btd, kv
@@ -322,7 +330,7 @@ class CausalLM(nnx.Module):
             cos, sin = (cos_bth, sin_bth) if local is None else (
                 jnp.where(local, local_cos_sin[0], cos_bth), jnp.where(local, local_cos_sin[1], sin_bth))
             h_btd, kv = nnx.merge(graphdef, lora, frozen)(h_btd, cos, sin, layer_mask, kv, cache_index, key,
-                                                          self.mlp_chunk)
+                                                          self.mlp_chunk, self.rules)
             return constrain(h_btd, act, self.rules), kv
 
         policy = REMAT_POLICIES[self.remat]
