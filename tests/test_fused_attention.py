@@ -220,6 +220,8 @@ def test_a_run_takes_the_first_kernel_that_can_take_it_and_agrees(options, cp, p
     choice = choose_attention(run(**options), LLAMA, cp, platform=platform, check=agree)
     assert choice.impl == impl
     assert said in choice.why
+    # a run prints its line where a kernel was weighed: on an NVIDIA GPU, or a kernel named
+    assert choice.weighed == (platform == "gpu" and options.get("attention") != "xla")
 
 
 def test_a_kernel_that_disagrees_is_not_taken_and_the_line_says_why():

@@ -27,6 +27,7 @@ AUTO_KERNELS = (CUDNN, PALLAS_TRITON)
 class AttentionChoice:
     impl: str  # what the model runs
     why: str  # one line for the run's first lines
+    weighed: bool = True  # whether a kernel was weighed: a run says why only then
 
 
 def attention_call(config: TrainConfig, llama: ModelConfig, cp: int) -> AttentionCall:
@@ -50,7 +51,7 @@ def choose_attention(config: TrainConfig, llama: ModelConfig, cp: int, platform:
         candidates, fallback = AUTO_KERNELS, f"auto takes {portable}"
     else:
         why = "--attention" if config.attention != "auto" else f"auto on {platform}"
-        return AttentionChoice(portable, f"attention: {portable} ({why})")
+        return AttentionChoice(portable, f"attention: {portable} ({why})", weighed=False)
     reasons = []
     for impl in candidates:
         reason = refusal(impl, call) or check(impl, call)

@@ -99,7 +99,7 @@ def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dic
     config = with_adapter_shape(config)
     param_dtype = None if config.param_dtype == "keep" else DTYPES[config.param_dtype]
     attention = choose_attention(config, llama, mesh.shape.get("cp", 1))
-    if main:  # on stderr beside the data line: stdout's first line stays the run's result
+    if main and attention.weighed:  # on stderr beside the data line: stdout's first line is the run's result
         print(f"finetune-lora: {attention.why}", file=sys.stderr, flush=True)
     with jax.set_mesh(mesh):
         model = load_pretrained(model_dir, mesh=mesh, dtype=DTYPES[config.dtype], param_dtype=param_dtype,
