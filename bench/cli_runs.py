@@ -35,6 +35,16 @@ build_tiny_model(sys.argv[1], json.loads(sys.argv[2]), seed=0)
 """
 
 
+
+def choices(option: str) -> tuple[str, ...]:
+    """finetune-lora's choices for `option` (a TrainConfig field)."""
+    from typing import get_args, get_type_hints
+
+    from finetune.config import TrainConfig
+
+    return get_args(get_type_hints(TrainConfig)[option])
+
+
 @dataclasses.dataclass
 class CliRun:
     args: list[str]

@@ -67,14 +67,13 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import get_args, get_type_hints
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # neighbours: device_measure, cli_runs
 
 import device_measure as dm
 import jax  # creates no devices until one is asked for
 import jaxlib
-from cli_runs import OneLineErrorParser, cpu_description, positive
+from cli_runs import OneLineErrorParser, choices, cpu_description, positive
 
 from finetune.config import TrainConfig
 from finetune.planning.devices import device_model_from_report
@@ -131,11 +130,6 @@ class Shape:
 
 class DoesNotFit(UsageError):
     """The smallest shape the sizing tries does not fit the device by --plan."""
-
-
-def choices(option: str) -> tuple[str, ...]:
-    """finetune-lora's choices for `option` (a TrainConfig field)."""
-    return get_args(get_type_hints(TrainConfig)[option])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -47,14 +47,12 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import get_args, get_type_hints
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_runs import OneLineErrorParser, cpu_description, positive  # noqa: E402
+from cli_runs import OneLineErrorParser, choices, cpu_description, positive  # noqa: E402
 from dtypes import SHAPES  # noqa: E402
 from train import ALPHA, BATCH, LR, RANK, SEQ, TARGETS, step_times  # noqa: E402
 
-from finetune.config import TrainConfig  # noqa: E402
 from finetune.planning.hlo_cost import Instruction, matmul_flops, parse_hlo  # noqa: E402
 from finetune.planning.plan_json import json_path_problem  # noqa: E402
 
@@ -63,7 +61,6 @@ from jaxmodel import scopes  # noqa: E402
 PROG = "step_profile.py"
 SCAN, ZERO_FILL, OTHER = "layer scan", "zero fill", "other"
 WIDE = "8b"  # --shape: Llama 3.1 8B's widths
-ATTENTION_CHOICES = get_args(get_type_hints(TrainConfig)["attention"])  # finetune-lora's --attention
 # the scan's own ops: `jax.lax.scan` slices its inputs and writes its outputs with these
 _SCAN_OPS = ("dynamic_index_in_dim", "dynamic_update_index_in_dim")
 # `transpose(jvp(lm_head))` and the like: a scope traced at the top of a differentiated function
@@ -172,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=positive, help="decoder layers (default: the shape's)")
     parser.add_argument("--batch", type=positive, default=BATCH, help=f"rows a step (default {BATCH})")
     parser.add_argument("--seq", type=positive, default=SEQ, help=f"tokens a row (default {SEQ})")
-    parser.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto",
+    parser.add_argument("--attention", choices=choices("attention"), default="auto",
                         help="finetune-lora's --attention (default auto)")
     parser.add_argument("--steps", type=positive, default=3, help="steps timed untraced, and steps traced (default 3)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
@@ -191,11 +188,13 @@ def main() -> None:
     from finetune.train.metrics import measure_peak_flops
     from jaxmodel.config import ModelConfig
 
+    from finetune.config import TrainConfig
+
     if args.shape == WIDE:
-        from device_report import WIDE_MODEL
-        shape = {**WIDE_MODEL, "rms_norm_eps": 1e-5}
+        from device_report import WIDE_MODEL as base
     else:
-        shape = {**SHAPES[args.shape], "rms_norm_eps": 1e-5}
+        base = SHAPES[args.shape]
+    shape = {**base, "rms_norm_eps": 1e-5}
     if args.layers:
         shape["num_hidden_layers"] = args.layers
     llama = ModelConfig.from_hf({"model_type": "llama", **shape})
