@@ -289,6 +289,24 @@ def family_checkpoint(request, tmp_path_factory):
     return request.param, hf_dir, root / "jax"
 
 
+@pytest.fixture(scope="module")
+def plain_device_grads(tmp_path_factory):
+    """model_type -> (data file, loss, tokens and LoRA gradients on one device with plain attention and full
+    logits), computed once a family."""
+    from test_context_parallel import grads_on, write_packed_data
+
+    found = {}
+
+    def get(model_type, jax_dir):
+        if model_type not in found:
+            root = tmp_path_factory.mktemp(f"{model_type}-ref")
+            data = write_packed_data(root / "train.jsonl")
+            found[model_type] = data, grads_on(jax_dir, data, root / "ref", "dp=1,fsdp=1,mp=1", jax.devices()[:1],
+                                               attention="xla", loss_chunk=0, mlp_chunk=0)
+        return found[model_type]
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh, options", [
     ("dp=1,fsdp=1,mp=1", dict(attention="blockwise", loss_chunk=5)),
@@ -296,14 +314,13 @@ def family_checkpoint(request, tmp_path_factory):
     ("dp=2,fsdp=1,cp=2,mp=2", dict(attention="xla")),
     ("dp=1,fsdp=4,mp=2", dict(attention="xla")),
 ])
-def test_same_loss_and_lora_grads_on_a_mesh_as_one_plain_device(tmp_path, family_checkpoint, mesh, options):
+def test_same_loss_and_lora_grads_on_a_mesh_as_one_plain_device(tmp_path, family_checkpoint, plain_device_grads, mesh,
+                                                              options):
     """Rows of 32 packed tokens against windows of 8: the windows, blockwise attention, `cp` and `mp` together."""
-    from test_context_parallel import assert_same, write_packed_data, grads_on
+    from test_context_parallel import assert_same, grads_on
 
-    _, _, jax_dir = family_checkpoint
-    data = write_packed_data(tmp_path / "train.jsonl")
-    reference = grads_on(jax_dir, data, tmp_path / "ref", "dp=1,fsdp=1,mp=1", jax.devices()[:1], attention="xla",
-                         loss_chunk=0, mlp_chunk=0)
+    model_type, _, jax_dir = family_checkpoint
+    data, reference = plain_device_grads(model_type, jax_dir)
     devices = jax.devices()[:1] if mesh == "dp=1,fsdp=1,mp=1" else jax.devices()
     assert_same(grads_on(jax_dir, data, tmp_path / "mesh", mesh, devices, **options), reference)
 
