@@ -77,7 +77,8 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.dtype = dtype
 
-    def __call__(self, x_btd, cos_bth, sin_bth, mask: dict, kv: tuple | None, cache_index, key=None):
+    def __call__(self, x_btd, cos_bth, sin_bth, mask: dict, kv: tuple | None, cache_index, key=None,
+                 rules: Rules = DEFAULT_RULES):
         """`mask`: keyword arguments of `jaxmodel.attention.attention` (implementation, mask, query offset,
         window)."""
         b, t, _ = x_btd.shape
@@ -98,6 +99,10 @@ class Attention(nnx.Module):
         attend = context_parallel_attention if "segment_ids_bt" in mask else attention
         with jax.named_scope(scopes.ATTENTION):
             out_btnh = attend(q_btnh, k_btkh, v_btkh, dtype=self.dtype, **mask)
+        # The output (and so its gradient) pinned where its tokens are, heads over mp: left to XLA, a step with few
+        # tokens a device split the attention's backward over heads (all-to-alls) and reduced partial input
+        # gradients of the whole batch in the projections around it.
+        out_btnh = constrain(out_btnh, ("act_batch", "act_seq", "heads", None), rules)
         out_btnh = remat_name(out_btnh, "projection")
         return remat_name(self.o_proj(out_btnh.reshape(b, t, n * h), keys[3]), "projection"), kv
 
@@ -121,7 +126,12 @@ class MLP(nnx.Module):
         b, t, d = x_btd.shape
         cp = cp_size()  # chunks stay within each device's part of the sequence
         if not chunk or t // cp <= chunk or (t // cp) % chunk:
-            return self._swiglu(x_btd, key)
+            # pinned as the chunks' values are (below): unpinned, a step with few tokens a device split them over the
+            # intermediate axis too
+            def pin_whole(x_bti):
+                return constrain(x_bti, ("act_batch", "act_seq", "mlp"), rules)
+
+            return self._swiglu(x_btd, key, pin_whole)
         n = t // cp // chunk
         x_nbccd = x_btd.reshape(b, cp, n, chunk, d).transpose(2, 0, 1, 3, 4)
         keys = None if key is None else jax.random.split(key, n)
@@ -169,7 +179,7 @@ class DecoderLayer(nnx.Module):
                  rules: Rules = DEFAULT_RULES):
         attn_key, mlp_key = _split(key, 2)
         attn_btd, kv = self.self_attn(self.input_layernorm(x_btd), cos_bth, sin_bth, mask, kv, cache_index,
-                                      attn_key)
+                                      attn_key, rules)
         if self.attn_output_norm is not None:
             attn_btd = self.attn_output_norm(attn_btd)
         h_btd = x_btd + attn_btd

@@ -135,6 +135,31 @@ def test_the_mlp_in_chunks_gathers_what_the_whole_mlp_does_and_moves_no_activati
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("widths", [
+    dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2),
+    dict(hidden_size=4096, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8),
+], ids=["mlp-wide", "kv-heads-8"])
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_fsdp_with_few_tokens_a_device_moves_no_activation(tmp_path, widths, quantize):
+    """fsdp=8 with 128 tokens a device, far fewer than the model's widths: the weights are gathered and only the LoRA
+    gradients (and the loss's scalars) reduced. Unpinned, XLA split the MLP's values and gradients over the
+    intermediate axis (all-to-alls), the attention's over its heads (all-to-alls), or a layer's keys over their heads
+    in the backward pass, reducing partial input gradients of the whole batch."""
+    config = {**TINY, **widths}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    cost = plan(TrainConfig(plan=True, model_config=str(path), mesh="dp=1,fsdp=8,mp=1", batch_size=16, seq_len=64,
+                            rank=RANK, hbm_gb=1, quantize=quantize, quant_block=32).validate()).cost
+    assert {c.kind for c in cost.collectives} == {"all-gather", "all-reduce"}
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
+    lora = config["num_hidden_layers"] * RANK * (2 * (hidden + hidden) + 2 * (hidden + kv) + 3 * (hidden + inter))
+    scalars = 1024  # the loss's sums and counts: tens of float32 numbers
+    reduced = [c for c in cost.collectives if c.kind == "all-reduce" and c.bytes > scalars]
+    assert sum(c.bytes * c.count for c in reduced) == lora * F32
+
+
+@pytest.mark.slow
 def test_a_replicated_base_reduces_only_the_lora_gradients_and_scalars(planned):
     cost = planned("dp=8,fsdp=1,mp=1").cost
     assert {c.kind for c in cost.collectives} == {"all-reduce"}
