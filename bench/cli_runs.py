@@ -35,7 +35,6 @@ build_tiny_model(sys.argv[1], json.loads(sys.argv[2]), seed=0)
 """
 
 
-
 def choices(option: str) -> tuple[str, ...]:
     """finetune-lora's choices for `option` (a TrainConfig field)."""
     from typing import get_args, get_type_hints

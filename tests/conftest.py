@@ -36,10 +36,9 @@ def _start_jax_with_llvm_unoptimised() -> None:
     them, and without LLVM's optimisations XLA:CPU compiles them in about half the time. The HLO, its partitioning,
     memory and collectives are XLA's and the same; elementwise functions such as exp are computed by other code and
     may differ in their last bits (exp by up to ~5e-7 relative), well inside the suite's float32 bounds, and the
-    paths a test compares with each other run alike. XLA reads XLA_FLAGS
-    once, when the backend starts: it starts here with the flag, and the environment is then set back, so that
-    subprocesses (the CLIs' runs, the demo, the many-process runs, whose programs run long enough to repay LLVM's
-    work) compile as a user's run does."""
+    paths a test compares with each other run alike. XLA reads XLA_FLAGS once, when the backend starts: it starts
+    here with the flag, and the environment is then set back, so that subprocesses (the CLIs' runs, the demo, whose
+    programs run long enough to repay LLVM's work) compile as a user's run does."""
     flags = os.environ["XLA_FLAGS"]
     if "--xla_backend_optimization_level" in flags:
         return

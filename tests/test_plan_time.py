@@ -31,7 +31,8 @@ def layer_weights(config: dict) -> int:
 def lora_values(config: dict) -> int:
     """Values of every LoRA A and B (rank 8 on the seven projections of every layer)."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
-    per_layer = 4 * (hidden + hidden) * RANK + 2 * (hidden + inter) * RANK + (inter + hidden) * RANK
+    kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]  # k_proj's and v_proj's outputs
+    per_layer = (2 * (hidden + hidden) + 2 * (hidden + kv) + 3 * (hidden + inter)) * RANK
     return config["num_hidden_layers"] * per_layer
 
 
@@ -151,12 +152,9 @@ def test_fsdp_with_few_tokens_a_device_moves_no_activation(tmp_path, widths, qua
     cost = plan(TrainConfig(plan=True, model_config=str(path), mesh="dp=1,fsdp=8,mp=1", batch_size=16, seq_len=64,
                             rank=RANK, hbm_gb=1, quantize=quantize, quant_block=32).validate()).cost
     assert {c.kind for c in cost.collectives} == {"all-gather", "all-reduce"}
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
-    lora = config["num_hidden_layers"] * RANK * (2 * (hidden + hidden) + 2 * (hidden + kv) + 3 * (hidden + inter))
     scalars = 1024  # the loss's sums and counts: tens of float32 numbers
     reduced = [c for c in cost.collectives if c.kind == "all-reduce" and c.bytes > scalars]
-    assert sum(c.bytes * c.count for c in reduced) == lora * F32
+    assert sum(c.bytes * c.count for c in reduced) == lora_values(config) * F32
 
 
 @pytest.mark.slow
