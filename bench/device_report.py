@@ -19,8 +19,8 @@ checkpoint, no network, no torch. It measures, on the devices JAX sees:
                      (VmHWM reset after compiling, so the compiler's own memory is left out); not measured on
                      an accelerator whose backend reports no memory_stats();
   attention          forward + backward of one attention call, dense scores (`xla`) against `blockwise` and, on
-                     an NVIDIA GPU, the fused kernels (`cudnn`, `pallas-triton`), at the model's heads for a row
-                     of each sequence length that fits (dense: scores at most half the device; up to
+                     an NVIDIA GPU, the fused kernels (`cudnn`, `pallas-triton`, `pallas-flash`), at the model's
+                     heads for a row of each sequence length that fits (dense: scores at most half the device; up to
                      DENSE_SEQ_WITHOUT_LIMIT positions where the device reports no limit), with the share of the
                      matmul peak in attention FLOPs; the blockwise path with each of BLOCK_SIZES at one length
                      (8192 positions on an accelerator); and each kernel's check against the blockwise path (the
@@ -82,7 +82,7 @@ from finetune.train.metrics import TIMED_SAMPLE_SECONDS
 from jaxmodel.attention import PORTABLE_IMPLS
 from jaxmodel.attention_check import disagreement
 from jaxmodel.config import ModelConfig
-from jaxmodel.fused_attention import FUSED_IMPLS, AttentionCall, refusal
+from jaxmodel.fused_attention import FUSED_IMPLS, KERNELS_ON, AttentionCall, kernel_platform, refusal
 from jaxmodel.errors import UsageError, UserError
 from jaxmodel.errors import report as report_error
 
@@ -300,8 +300,9 @@ def failed_sections(report: dict) -> list[str]:
 
 
 def attention_impls(platform: str) -> tuple[str, ...]:
-    """The attention paths the report times: the portable ones everywhere, the fused kernels on an NVIDIA GPU."""
-    return PORTABLE_IMPLS + (FUSED_IMPLS if platform in ("gpu", "cuda") else ())
+    """The attention paths the report times: the portable ones everywhere, on a GPU its platform's fused kernels
+    (`platform` as `kernel_platform` names it)."""
+    return PORTABLE_IMPLS + KERNELS_ON.get(platform, ())
 
 
 def timed_impls(row: dict) -> list[str]:
@@ -330,18 +331,23 @@ def block_sizes_row(shape: Shape, dtype: str) -> dict:
         for bq, bk in BLOCK_SIZES}}
 
 
+# The calls each kernel's check is made on: packed rows, rows of one sequence, and a cp chunk's queries at their
+# offset (with a sliding window) on packed rows.
+CHECKED_CALLS = {"packed": dict(packed=True), "one sequence a row": dict(packed=False),
+                 "packed, cp chunk, window": dict(packed=True, q_offset=True, window=True, q_len=1024)}
+
+
 def attention_checks(llama: ModelConfig, dtype: str, platform: str) -> dict:
     """Each fused kernel's check before a run takes it (`jaxmodel.attention_check.disagreement`), at the model's
-    heads in `dtype`, on packed rows and on rows of one sequence: "agrees" or why not."""
+    heads in `dtype`, on each of CHECKED_CALLS: "agrees" or why not."""
     checks = {}
     for impl in attention_impls(platform):
         if impl in FUSED_IMPLS:
             checks[impl] = {}
-            for packed in (True, False):
+            for name, facts in CHECKED_CALLS.items():
                 call = AttentionCall(dtype, llama.head_dim, llama.num_attention_heads, llama.num_key_value_heads,
-                                     q_len=2048, kv_len=2048, q_offset=False, window=False, packed=packed)
-                checks[impl]["packed" if packed else "one sequence a row"] = (
-                    refusal(impl, call) or disagreement(impl, call) or "agrees")
+                                     **{"q_len": 2048, "kv_len": 2048, "q_offset": False, "window": False, **facts})
+                checks[impl][name] = refusal(impl, call) or disagreement(impl, call) or "agrees"
     return checks
 
 
@@ -406,23 +412,26 @@ def step_section(shape: Shape, args, bytes_limit: float | None, devices: list) -
             "notes": notes}
 
 
-def measure(args) -> dict:
-    """Every measurement, in the order that keeps them apart (the step first: see step_section)."""
+def measure(args, done=lambda report: None) -> dict:
+    """Every measurement, in the order that keeps them apart (the step first: see step_section); `done(report)`
+    after each section with what was measured so far."""
     local = jax.local_devices()
     bytes_limit = (local[0].memory_stats() or {}).get("bytes_limit")
     shape = apply_options(backend_shape(args, jax.default_backend(), bytes_limit, len(local)), args, len(local))
     shape, section = step_section(shape, args, bytes_limit, local[:shape.devices])
     report = {**environment(local, bytes_limit), **section}
+    done(report)
     if args.step_only:
         return {**report, "attention": {"dtype": args.dtype, "batch": 1, "rows": [], "checks": {}},
                 "collectives": {"skipped": "--step-only"}, "parity": {"skipped": "--step-only"},
                 "skipped": shape.skipped + ["attention, collectives and parity (--step-only)"]}
     print(f"attention at {', '.join(map(str, shape.attention_seqs))} positions ...", flush=True)
-    platform = local[0].platform
+    platform = kernel_platform(local[0])
     report["attention"] = {"dtype": args.dtype, "batch": 1,
                            "rows": attention_rows(shape, args.dtype, bytes_limit, platform),
                            "blocks": block_sizes_row(shape, args.dtype),
                            "checks": attention_checks(llama_of(shape.model), args.dtype, platform)}
+    done(report)
     if len(local) > 1:
         print(f"collectives over {len(local)} devices ...", flush=True)
         report["collectives"] = guarded(lambda: {
@@ -430,6 +439,7 @@ def measure(args) -> dict:
             **dm.collective_table(local, tuple(shape.collective_bytes // 4**k for k in (3, 2, 1, 0)))})
     else:
         report["collectives"] = {"skipped": "one device"}
+    done(report)
     print("logits parity with the CPU backend ...", flush=True)
     layers = min(PARITY_LAYERS, shape.model["num_hidden_layers"])
     report["parity"] = guarded(lambda: dm.logits_parity(llama_of({**shape.model, "num_hidden_layers": layers}),
@@ -567,7 +577,8 @@ def table(report: dict) -> list[str]:
              f"{report['device_count']} device(s), jax {report['jax_version']}, jaxlib {report['jaxlib_version']}; "
              f"host: {report['host_cpu']}")
     return [where, "", row("measurement", "figure", "how"), "|---|---|---|", *matmul_rows(report),
-            memory_bandwidth_row(report), step_row(report), prediction_row(report), *memory_rows(report), *attention_table_rows(report), collectives_row(report["collectives"]),
+            memory_bandwidth_row(report), step_row(report), prediction_row(report), *memory_rows(report),
+            *attention_table_rows(report), collectives_row(report["collectives"]),
             parity_row(report["parity"]), "", f"shape: {report['model']['sized']}",
             *(f"note: {note}" for note in report["notes"]),
             "skipped: " + ("; ".join(report["skipped"]) or "nothing")]
@@ -578,17 +589,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.json and (problem := json_path_problem(args.json)):
         print(f"{PROG}: error: --json {args.json}: {problem}", file=sys.stderr)
         return 2
+    def write(report: dict) -> str | None:
+        """None, or why the JSON could not be written."""
+        try:
+            if args.json:
+                Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        except OSError as e:
+            return e.strerror
+        return None
+
     try:
-        report = measure(args)
+        # a run cut off (a session's time limit) leaves the sections it finished, marked unfinished; a write that
+        # fails here is said by the last one
+        report = measure(args, done=lambda report: write({**report, "unfinished": "cut off after this section"}))
     except UserError as e:
         return report_error(PROG, e)
     print("\n".join(table(report)))
-    if args.json:
-        try:
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-        except OSError as e:
-            print(f"{PROG}: error: --json {args.json}: {e.strerror}", file=sys.stderr)
-            return 1
+    if problem := write(report):
+        print(f"{PROG}: error: --json {args.json}: {problem}", file=sys.stderr)
+        return 1
     if failed := failed_sections(report):
         print(f"{PROG}: error: measurements failed (the table has the errors): {'; '.join(failed)}", file=sys.stderr)
         return 1

@@ -6,7 +6,8 @@
 #   versions.json        the card, driver, CUDA, cuDNN and package versions
 #   report.json / .txt   bench/device_report.py at its accelerator shape (Llama 3.1 8B widths, seq 2048, auto
 #                        attention: the fused kernel the run takes and why), the attention table 1k-32k with every
-#                        path (xla, blockwise, cudnn, pallas-triton; share of the bf16 peak) and each kernel's check
+#                        path (xla, blockwise, cudnn, pallas-triton, pallas-flash; share of the bf16 peak) and each
+#                        kernel's check (packed rows, rows of one sequence, a cp chunk with a window)
 #   step-*.json / .txt   the train step alone (--step-only) at 1 x 32768 (auto), then 4 x 2048 on the blockwise
 #                        path, to set the kernel's step against the portable one (the report's step is 2048, auto)
 #   profile-*.json/.txt  bench/step_profile.py at Llama 3.1 8B widths (16 layers), bf16, auto attention, at 4 x 2048

@@ -205,13 +205,14 @@ class TrainConfig:
                 "sequences with --attention xla); offload keeps layer inputs in host memory where the backend "
                 "supports it",
         resume=Allowed("memory/speed only, same function"))
-    attention: Literal["auto", "xla", "blockwise", "cudnn", "pallas-triton"] = option(
+    attention: Literal["auto", "xla", "blockwise", "cudnn", "pallas-triton", "pallas-flash", "aiter"] = option(
         "auto", "attention without a cache: xla materialises [seq, seq] scores; blockwise (flash-style, memory "
-                "linear in seq) computes them block by block; cudnn (NVIDIA, --no-pack rows) and pallas-triton "
-                "(NVIDIA sm80+) are fused kernels, each checked against blockwise before the run takes it, the "
-                "portable path serving what a kernel cannot take; auto: on an NVIDIA GPU the first of cudnn, "
-                "pallas-triton that takes the run and agrees, else blockwise from --seq-len 2048 on or with cp > 1, "
-                "else xla",
+                "linear in seq) computes them block by block; cudnn (NVIDIA, --no-pack rows), pallas-triton "
+                "(NVIDIA sm80+), pallas-flash (this package's Pallas kernel, Triton: also cp > 1 and sliding "
+                "windows) and aiter (AMD, --no-pack rows; untested) are fused kernels, each checked against "
+                "blockwise before the run takes it, the portable path serving what a kernel cannot take; auto: on "
+                "an NVIDIA GPU the first of cudnn, pallas-triton, pallas-flash that takes the run and agrees (on an "
+                "AMD GPU aiter, pallas-flash), else blockwise from --seq-len 2048 on or with cp > 1, else xla",
         resume=Allowed("memory/speed only, same function"))
     loss_chunk: int = option(2048, "positions per chunk of the LM head + cross-entropy, so [seq, vocab] logits are "
                                    "never held at once: a frozen head computes each chunk's logits once (its chunks "
@@ -279,7 +280,8 @@ class TrainConfig:
         """The attention `--plan` compiles: the portable path, and blockwise for a fused kernel (a CPU compiles
         none; both hold O(seq) per row: the output and its log-sum-exp). The run resolves its own
         (`finetune.step.attention_choice`)."""
-        return "blockwise" if self.attention in ("cudnn", "pallas-triton") else self.portable_attention(cp)
+        return "blockwise" if self.attention in ("cudnn", "pallas-triton", "pallas-flash", "aiter") else (
+            self.portable_attention(cp))
 
     @property
     def target_modules(self) -> tuple[str, ...]:

@@ -1,5 +1,6 @@
 """The check a fused attention kernel (`jaxmodel.fused_attention`) passes before a run takes it: its output and
-gradients against the blockwise path's on a small input of the run's heads, in the run's dtype."""
+gradients against the blockwise path's on a small input of the run's heads, in the run's dtype, with a query offset
+and a sliding window where the run has them."""
 
 from __future__ import annotations
 
@@ -30,14 +31,22 @@ def check_rows(call: AttentionCall, t: int = CHECK_LEN):
     return jnp.asarray(seg_bt)
 
 
+def check_positions(call: AttentionCall, t: int = CHECK_LEN) -> dict:
+    """The check's query offset (where the run's calls have one, the second half of the keys' positions are the
+    queries) and window (where the run has one, a quarter of the keys)."""
+    return dict(q_offset=t // 2 if call.q_offset else 0, window=t // 4 if call.window else None)
+
+
 def disagreement(impl: str, call: AttentionCall, attend: Callable | None = None, seed: int = 0) -> str | None:
     """Where kernel `impl` (or `attend`, a function of `attention`'s arguments standing in for it) disagrees with
     the portable path on a small input of `call`'s heads: the output or a gradient whose error exceeds
     AGREEMENT_FACTOR times the blockwise path's, or the error the kernel raised; None where it agrees."""
     dtype = jnp.dtype(call.dtype)
     seg_bt = check_rows(call)
+    positions = check_positions(call)
+    first = positions["q_offset"]
     keys = jax.random.split(jax.random.key(seed), 4)
-    shapes = ((2, CHECK_LEN, call.heads, call.head_dim), (2, CHECK_LEN, call.kv_heads, call.head_dim))
+    shapes = ((2, CHECK_LEN - first, call.heads, call.head_dim), (2, CHECK_LEN, call.kv_heads, call.head_dim))
     q, k, v = (jax.random.normal(key, shapes[min(i, 1)], jnp.float32) for i, key in enumerate(keys[:3]))
     cotangent = jax.random.normal(keys[3], shapes[0], jnp.float32)
     if attend is None:
@@ -45,7 +54,8 @@ def disagreement(impl: str, call: AttentionCall, attend: Callable | None = None,
 
     def values_and_grads(fn, dtype):
         def loss(q, k, v):
-            out = fn(q.astype(dtype), k.astype(dtype), v.astype(dtype), q_segment_ids=seg_bt, kv_segment_ids=seg_bt)
+            out = fn(q.astype(dtype), k.astype(dtype), v.astype(dtype), q_segment_ids=seg_bt[:, first:],
+                     kv_segment_ids=seg_bt, **positions)
             return jnp.sum(out.astype(jnp.float32) * cotangent), out
 
         (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
@@ -70,7 +80,8 @@ def disagreement(impl: str, call: AttentionCall, attend: Callable | None = None,
 
 
 def partial_attention(impl: str) -> Callable:
-    """`fused_attention` by `impl`, a function of the arrays and segment ids."""
-    def attend(q, k, v, *, q_segment_ids, kv_segment_ids):
-        return fused_attention(impl, q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    """`fused_attention` by `impl`, a function of the arrays, segment ids, query offset and window."""
+    def attend(q, k, v, *, q_segment_ids, kv_segment_ids, q_offset=0, window=None):
+        return fused_attention(impl, q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                               q_offset=q_offset, window=window)
     return attend

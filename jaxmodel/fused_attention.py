@@ -12,9 +12,19 @@ take, and `refusal` says, from a call's static facts, why one cannot (the caller
   Triton, sm80 and later): segment ids as they are, K/V repeated to the query heads (the kernel takes one KV head
   per query head), 16-bit operands, head_dim up to 256, no window. On a CPU it runs in Pallas' interpreter:
   correct and slow, for tests.
+- `pallas-flash`: this package's own Pallas flash attention (`jaxmodel.flash_kernel`, Triton): what the two above
+  do not take besides, a query offset (context parallelism's chunks, q_len < kv_len), query and key segment ids
+  apart, grouped KV heads read as they are, a sliding window; 16-bit operands, head_dim up to 256. Interpreted on a
+  CPU as Pallas' is.
+- `aiter` (AMD GPUs): AITER's flash attention through the `jax_aiter` package (ROCm/jax-aiter's
+  `jax_aiter.mha.flash_attn_func`): grouped KV heads as they are, 16-bit operands, head_dim up to 256; rows of one
+  sequence and their padding as for cudnn (a row that is not is NaN); no window (the package takes it as a static
+  argument, a layer scan's is traced) and no query offset. Untested: no ROCm machine has run it.
 
-Neither takes a query offset (context parallelism's chunks) yet. The rows of padding (segment 0) get zeros, as on
-the blockwise path.
+`KERNELS_ON` lists the kernels a GPU platform (`kernel_platform`: "cuda" or "rocm") may run, in the order `auto`
+tries them.
+
+The rows of padding (segment 0) get zeros, as on the blockwise path.
 
 Under `jax.checkpoint` a kernel's output and log-sum-exp are named as the blockwise path's saved values are
 (`jaxmodel.matmul.saved_residual`), so the dot policies keep them and the backward pass does not run the forward
@@ -29,11 +39,28 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxmodel.flash_kernel import NO_WINDOW, flash_attention
 from jaxmodel.matmul import saved_residual
 
 CUDNN = "cudnn"
 PALLAS_TRITON = "pallas-triton"
-FUSED_IMPLS = (CUDNN, PALLAS_TRITON)
+PALLAS_FLASH = "pallas-flash"
+AITER = "aiter"
+FUSED_IMPLS = (CUDNN, PALLAS_TRITON, PALLAS_FLASH, AITER)
+
+# The kernels each GPU platform may run, in the order `auto` tries them: the vendor's or JAX's own first; this
+# package's (which also takes cp's offsets and windows) where they cannot take the run.
+KERNELS_ON = {"cuda": (CUDNN, PALLAS_TRITON, PALLAS_FLASH), "rocm": (AITER, PALLAS_FLASH)}
+
+
+def kernel_platform(device=None) -> str:
+    """"cuda" or "rocm" for a GPU (JAX names both "gpu"; the client's platform version says which), else the
+    device's platform: the key of KERNELS_ON."""
+    device = device or jax.devices()[0]
+    if device.platform not in ("gpu", "cuda", "rocm"):
+        return device.platform
+    version = str(getattr(device.client, "platform_version", "")).lower()
+    return "rocm" if device.platform == "rocm" or "rocm" in version or "hip" in version else "cuda"
 
 _SIXTEEN_BIT = ("bfloat16", "float16")
 
@@ -78,8 +105,9 @@ def fused_attention(impl: str, q_btnh, k_bskh, v_bskh, *, q_segment_ids=None, kv
     q_seg_bt = jnp.ones((b, t), jnp.int32) if q_segment_ids is None else jnp.asarray(q_segment_ids, jnp.int32)
     kv_seg_bs = jnp.ones((b, s), jnp.int32) if kv_segment_ids is None else jnp.asarray(kv_segment_ids, jnp.int32)
     scale = q_btnh.shape[3] ** -0.5 if scale is None else float(scale)
+    positions = jnp.asarray(q_offset, jnp.int32), jnp.asarray(NO_WINDOW if window is None else window, jnp.int32)
     out_btnh = _kept_for_backward(KERNELS[impl].attend, scale, q_btnh.astype(dtype), k_bskh.astype(dtype),
-                                  v_bskh.astype(dtype), q_seg_bt, kv_seg_bs)
+                                  v_bskh.astype(dtype), q_seg_bt, kv_seg_bs, *positions)
     return jnp.where((q_seg_bt != 0)[:, :, None, None], out_btnh, 0).astype(dtype)
 
 
@@ -87,17 +115,17 @@ def fused_attention(impl: str, q_btnh, k_bskh, v_bskh, *, q_segment_ids=None, kv
 # Keeping a kernel's residuals under remat
 
 
-def _kept_for_backward(attend: Callable, scale: float, q, k, v, q_seg, kv_seg):
-    return _kept(attend, scale, q, k, v, q_seg, kv_seg)
+def _kept_for_backward(attend: Callable, scale: float, q, k, v, q_seg, kv_seg, q_offset, window):
+    return _kept(attend, scale, q, k, v, q_seg, kv_seg, q_offset, window)
 
 
-def _kept_fwd(attend, scale, q, k, v, q_seg, kv_seg):
-    out, backward = jax.vjp(lambda q, k, v: attend(q, k, v, q_seg, kv_seg, scale), q, k, v)
+def _kept_fwd(attend, scale, q, k, v, q_seg, kv_seg, q_offset, window):
+    out, backward = jax.vjp(lambda q, k, v: attend(q, k, v, q_seg, kv_seg, q_offset, window, scale), q, k, v)
     # The output (which o_proj's backward needs) and the residuals the kernel computed (its log-sum-exp) are named
     # for the dot policies; its inputs are not, so that a policy keeps them (or recomputes them) as it would
     # without the kernel.
     named = saved_residual(out, batched=True)
-    inputs = {id(x) for x in (q, k, v, q_seg, kv_seg)}
+    inputs = {id(x) for x in (q, k, v, q_seg, kv_seg, q_offset, window)}
     leaves, tree = jax.tree_util.tree_flatten(backward)
     leaves = [named if x is out else x if id(x) in inputs or not jnp.issubdtype(x.dtype, jnp.floating)
               else saved_residual(x, batched=True) for x in leaves]
@@ -106,11 +134,11 @@ def _kept_fwd(attend, scale, q, k, v, q_seg, kv_seg):
 
 def _kept_bwd(attend, scale, backward, g):
     dq, dk, dv = backward(g)
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None, None, None, None
 
 
-_kept = jax.custom_vjp(lambda attend, scale, q, k, v, q_seg, kv_seg: attend(q, k, v, q_seg, kv_seg, scale),
-                       nondiff_argnums=(0, 1))
+_kept = jax.custom_vjp(lambda attend, scale, q, k, v, q_seg, kv_seg, q_offset, window:
+                       attend(q, k, v, q_seg, kv_seg, q_offset, window, scale), nondiff_argnums=(0, 1))
 _kept.defvjp(_kept_fwd, _kept_bwd)
 
 
@@ -122,16 +150,12 @@ _kept.defvjp(_kept_fwd, _kept_bwd)
 class Kernel:
     name: str
     refusal: Callable[[AttentionCall], str | None]
-    attend: Callable  # (q_btnh, k_bskh, v_bskh, q_seg_bt, kv_seg_bs, scale) -> out_btnh
+    attend: Callable  # (q_btnh, k_bskh, v_bskh, q_seg_bt, kv_seg_bs, q_offset, window, scale) -> out_btnh
 
 
 def _common_refusal(call: AttentionCall, max_head_dim: int) -> str | None:
     if call.dtype not in _SIXTEEN_BIT:
         return f"computes in bfloat16 or float16, not {call.dtype}"
-    if call.q_offset:
-        return "no query offset (context parallelism's chunks)"
-    if call.window:
-        return "no sliding window"
     if call.heads % call.kv_heads:
         return f"{call.heads} query heads are not a multiple of {call.kv_heads} KV heads"
     if call.head_dim > max_head_dim or call.head_dim % 8:
@@ -139,12 +163,20 @@ def _common_refusal(call: AttentionCall, max_head_dim: int) -> str | None:
     return None
 
 
+def _offset_or_window_refusal(call: AttentionCall) -> str | None:
+    if call.q_offset:
+        return "no query offset (context parallelism's chunks)"
+    if call.window:
+        return "no sliding window"
+    if call.q_len != call.kv_len:
+        return "as many queries as keys"
+    return None
+
+
 def _cudnn_refusal(call: AttentionCall) -> str | None:
     if call.packed:
         return "rows of one sequence each (padding as lengths): packed rows (--pack) need segments"
-    if call.q_len != call.kv_len:
-        return "as many queries as keys"
-    return _common_refusal(call, 128)
+    return _common_refusal(call, 128) or _offset_or_window_refusal(call)
 
 
 def _one_sequence_lengths(seg_bt):
@@ -157,34 +189,61 @@ def _one_sequence_lengths(seg_bt):
     return jnp.where(one_sequence_b, length_b, -1)
 
 
-def cudnn_attention(q_btnh, k_bskh, v_bskh, q_seg_bt, kv_seg_bs, scale: float, *, implementation: str = "cudnn"):
+def cudnn_attention(q_btnh, k_bskh, v_bskh, q_seg_bt, kv_seg_bs, q_offset, window, scale: float, *,
+                    implementation: str = "cudnn"):
     """`jax.nn.dot_product_attention` with causal masking and per-row lengths from the segment ids; NaN rows where
     a row is not one sequence and its padding. `implementation="xla"` is the same call on JAX's own path."""
-    lengths_b = _one_sequence_lengths(q_seg_bt)
-    valid_b = (lengths_b >= 0) & (lengths_b == _one_sequence_lengths(kv_seg_bs))
-    safe_b = jnp.where(valid_b, lengths_b, q_btnh.shape[1])
+    del q_offset, window  # refused: 0 and none
+    valid_b, safe_b = _one_sequence_rows(q_btnh, q_seg_bt, kv_seg_bs)
     out_btnh = jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, scale=scale, is_causal=True,
                                             query_seq_lengths=safe_b, key_value_seq_lengths=safe_b,
                                             implementation=implementation)
     return jnp.where(valid_b[:, None, None, None], out_btnh, jnp.nan).astype(q_btnh.dtype)
 
 
+def _one_sequence_rows(q_btnh, q_seg_bt, kv_seg_bs):
+    """(whether each row is one sequence and its padding, the same for queries and keys; each row's length, the
+    whole row where it is not)."""
+    lengths_b = _one_sequence_lengths(q_seg_bt)
+    valid_b = (lengths_b >= 0) & (lengths_b == _one_sequence_lengths(kv_seg_bs))
+    return valid_b, jnp.where(valid_b, lengths_b, q_btnh.shape[1])
+
+
+def _aiter_refusal(call: AttentionCall) -> str | None:
+    if call.packed:
+        return "rows of one sequence each: packed rows (--pack) need segments"
+    return _common_refusal(call, 256) or _offset_or_window_refusal(call)
+
+
+def aiter_attention(q_btnh, k_bskh, v_bskh, q_seg_bt, kv_seg_bs, q_offset, window, scale: float, *,
+                    flash_attn_func=None):
+    """AITER's flash attention (`jax_aiter.mha.flash_attn_func`, or `flash_attn_func` standing in for it), causal;
+    NaN rows where a row is not one sequence and its padding. Padding only at a row's end: a real query sees no
+    padding key by causality, so the kernel needs no lengths (with as many queries as keys its bottom-right causal
+    mask is the usual one)."""
+    if flash_attn_func is None:
+        from jax_aiter.mha import flash_attn_func
+    del q_offset, window  # refused: 0 and none
+    valid_b, _ = _one_sequence_rows(q_btnh, q_seg_bt, kv_seg_bs)
+    out_btnh = flash_attn_func(q_btnh, k_bskh, v_bskh, softmax_scale=scale, causal=True)
+    return jnp.where(valid_b[:, None, None, None], out_btnh, jnp.nan).astype(q_btnh.dtype)
+
+
 def _pallas_refusal(call: AttentionCall) -> str | None:
-    if call.q_len != call.kv_len:
-        return "as many queries as keys"
-    return _common_refusal(call, 256)
+    return _common_refusal(call, 256) or _offset_or_window_refusal(call)
 
 
 # Pallas' default blocks; sequences are padded to a multiple of the query and key blocks.
 PALLAS_BLOCK = 128
 
 
-def pallas_triton_attention(q_btnh, k_bskh, v_bskh, q_seg_bt, kv_seg_bs, scale: float):
+def pallas_triton_attention(q_btnh, k_bskh, v_bskh, q_seg_bt, kv_seg_bs, q_offset, window, scale: float):
     """Pallas' Triton flash attention (interpreted on a CPU), K/V repeated to the query heads, the sequence padded
     to a multiple of PALLAS_BLOCK with segment 0."""
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
-    del kv_seg_bs  # self-attention: the kernel takes one set of segment ids for queries and keys
+    # self-attention: the kernel takes one set of segment ids for queries and keys; offset 0 and no window (refused)
+    del kv_seg_bs, q_offset, window
     b, t, n, h = q_btnh.shape
     r = n // k_bskh.shape[2]
     k_btnh, v_btnh = (jnp.repeat(x, r, axis=2) for x in (k_bskh, v_bskh))
@@ -197,8 +256,15 @@ def pallas_triton_attention(q_btnh, k_bskh, v_bskh, q_seg_bt, kv_seg_bs, scale: 
     return out[:, :t]
 
 
+def pallas_flash_attention(q_btnh, k_bskh, v_bskh, q_seg_bt, kv_seg_bs, q_offset, window, scale: float):
+    """`jaxmodel.flash_kernel.flash_attention` (interpreted on a CPU)."""
+    return flash_attention(q_btnh, k_bskh, v_bskh, q_seg_bt, kv_seg_bs, q_offset, window, scale=scale)
+
+
 KERNELS = {
     CUDNN: Kernel(CUDNN, _cudnn_refusal, cudnn_attention),
     PALLAS_TRITON: Kernel(PALLAS_TRITON, _pallas_refusal, pallas_triton_attention),
+    PALLAS_FLASH: Kernel(PALLAS_FLASH, lambda call: _common_refusal(call, 256), pallas_flash_attention),
+    AITER: Kernel(AITER, _aiter_refusal, aiter_attention),
 }
 

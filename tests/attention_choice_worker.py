@@ -24,7 +24,7 @@ def main(out, port, process_id):
     def check(impl, call):  # the processes' checks differ on Pallas
         return "disagrees here" if jax.process_index() == 1 else None
 
-    choice = choose_attention(config, llama, 1, platform="gpu", check=check)
+    choice = choose_attention(config, llama, 1, platform="cuda", check=check)
     with open(os.path.join(out, f"choice-{jax.process_index()}.json"), "w") as f:
         json.dump({"impl": choice.impl, "why": choice.why}, f)
     jax.distributed.shutdown()

@@ -36,9 +36,24 @@ def quick_report(tmp_path_factory):
     return json.loads(path.read_text()), run.stdout
 
 
+def test_a_report_cut_off_leaves_its_finished_sections_marked_unfinished(device_report, tmp_path, monkeypatch):
+    """A session's time limit ends the report mid-way: the sections measured so far are in the JSON, marked."""
+    path = tmp_path / "report.json"
+
+    def cut_off(args, done):
+        done({"step": {"seconds": 1.0}})
+        raise SystemExit(124)  # as `timeout` ends it
+
+    monkeypatch.setattr(device_report, "measure", cut_off)
+    with pytest.raises(SystemExit):
+        device_report.main(["--json", str(path)])
+    assert json.loads(path.read_text()) == {"step": {"seconds": 1.0}, "unfinished": "cut off after this section"}
+
+
 @pytest.mark.slow
 def test_report_has_every_figure_and_they_are_positive(quick_report):
     report, stdout = quick_report
+    assert "unfinished" not in report
     assert report["backend"] == "cpu" and report["device_count"] == simulated_devices()
     peaks = report["matmul_peak_flops"]
     assert set(peaks) == {"float32", "bfloat16"} and all(v > 0 for v in peaks.values())
@@ -168,15 +183,18 @@ def test_on_an_nvidia_gpu_the_fused_kernels_are_timed_and_checked(device_report,
     args = device_report.build_parser().parse_args(["--quick"])
     shape = device_report.backend_shape(args, "cpu", None, 1)
     shape = device_report.dataclasses.replace(shape, attention_seqs=(128,))
-    rows = device_report.attention_rows(shape, "bfloat16", None, "gpu")
-    assert list(rows[0]) == ["seq", "xla", "blockwise", "cudnn", "pallas-triton"]
+    rows = device_report.attention_rows(shape, "bfloat16", None, "cuda")
+    assert list(rows[0]) == ["seq", "xla", "blockwise", "cudnn", "pallas-triton", "pallas-flash"]
     assert rows[0]["cudnn"] == {"error": "RuntimeError: cuDNN is not detected."}
     assert rows[0]["pallas-triton"] > 0
-    checks = device_report.attention_checks(device_report.llama_of(shape.model), "bfloat16", "gpu")
-    assert checks == {"cudnn": {"packed": "rows of one sequence each (padding as lengths): packed rows (--pack) "
-                                          "need segments",
-                                "one sequence a row": "RuntimeError: cuDNN is not detected."},
-                      "pallas-triton": {"packed": "agrees", "one sequence a row": "agrees"}}
+    checks = device_report.attention_checks(device_report.llama_of(shape.model), "bfloat16", "cuda")
+    packed_refused = "rows of one sequence each (padding as lengths): packed rows (--pack) need segments"
+    assert checks == {"cudnn": {"packed": packed_refused, "one sequence a row": "RuntimeError: cuDNN is not detected.",
+                                "packed, cp chunk, window": packed_refused},
+                      "pallas-triton": {"packed": "agrees", "one sequence a row": "agrees",
+                                        "packed, cp chunk, window": "no query offset (context parallelism's chunks)"},
+                      "pallas-flash": {"packed": "agrees", "one sequence a row": "agrees",
+                                       "packed, cp chunk, window": "agrees"}}
     report = json.loads(json.dumps(quick_report[0]))
     report["attention"] = {"dtype": "bfloat16", "batch": 1, "rows": rows, "checks": checks}
     report["matmul_peak_flops"]["bfloat16"] = 1e12
@@ -185,7 +203,8 @@ def test_on_an_nvidia_gpu_the_fused_kernels_are_timed_and_checked(device_report,
     flops = device_report.attention_flops(c["num_attention_heads"], c["head_dim"], 128)
     share = flops / rows[0]["pallas-triton"] / 1e12
     assert f"pallas-triton {rows[0]['pallas-triton'] * 1e3:,.1f} ms ({share:.0%})" in lines
-    assert "| attention check: pallas-triton | packed: agrees; one sequence a row: agrees |" in lines
+    assert ("| attention check: pallas-flash | packed: agrees; one sequence a row: agrees; packed, cp chunk, window: "
+            "agrees |") in lines
     assert device_report.failed_sections(report) == ["attention cudnn at 128 positions"]
     assert device_report.attention_flops(32, 128, 8192) == 3.5 * 2 * 32 * 128 * 8192**2  # the causal half
 

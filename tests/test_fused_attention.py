@@ -72,20 +72,20 @@ def test_pallas_triton_kernel_equals_the_blockwise_path_in_float32():
     scale: the interpreted kernel's output and gradients are the blockwise path's."""
     q, k, v = qkv()
     seg = packed_rows()
-    kernel = lambda q, k, v, seg: fa.pallas_triton_attention(q, k, v, seg, seg, 0.3) * real_rows(seg)
+    kernel = lambda q, k, v, seg: fa.pallas_triton_attention(q, k, v, seg, seg, 0, None, 0.3) * real_rows(seg)
     for got, want in zip(values_and_grads(kernel, q, k, v, seg), values_and_grads(blockwise, q, k, v, seg)):
         assert_close(got, want)
 
 
-def xla_cudnn(q, k, v, q_seg, kv_seg, scale):
+def xla_cudnn(q, k, v, q_seg, kv_seg, q_offset, window, scale):
     """cuDNN's call on JAX's XLA path: the same arguments, lengths included."""
-    return fa.cudnn_attention(q, k, v, q_seg, kv_seg, scale, implementation="xla")
+    return fa.cudnn_attention(q, k, v, q_seg, kv_seg, q_offset, window, scale, implementation="xla")
 
 
 def test_cudnn_lengths_equal_the_blockwise_path_on_rows_of_one_sequence():
     q, k, v = qkv()
     seg = one_sequence_rows()
-    kernel = lambda q, k, v, seg: xla_cudnn(q, k, v, seg, seg, 0.3) * real_rows(seg)
+    kernel = lambda q, k, v, seg: xla_cudnn(q, k, v, seg, seg, 0, None, 0.3) * real_rows(seg)
     for got, want in zip(values_and_grads(kernel, q, k, v, seg), values_and_grads(blockwise, q, k, v, seg)):
         assert_close(got, want)
 
@@ -96,10 +96,10 @@ def test_cudnn_gives_nan_rows_where_a_row_is_not_one_sequence():
     seg = np.asarray(packed_rows()).copy()
     seg[2] = 0
     seg[2, 50:] = 4  # left padding
-    out = np.asarray(xla_cudnn(q, k, v, jnp.asarray(seg), jnp.asarray(seg), 0.3))
+    out = np.asarray(xla_cudnn(q, k, v, jnp.asarray(seg), jnp.asarray(seg), 0, None, 0.3))
     assert np.isnan(out).all(axis=(1, 2, 3)).tolist() == [True, True, True]
     seg = np.asarray(one_sequence_rows())
-    assert not np.isnan(np.asarray(xla_cudnn(q, k, v, jnp.asarray(seg), jnp.asarray(seg), 0.3))).any()
+    assert not np.isnan(np.asarray(xla_cudnn(q, k, v, jnp.asarray(seg), jnp.asarray(seg), 0, None, 0.3))).any()
 
 
 def call(**changes):
@@ -119,6 +119,9 @@ def call(**changes):
     ("cudnn", dict(head_dim=256), "head_dim 256"),
     ("pallas-triton", dict(head_dim=100), "head_dim 100"),
     ("pallas-triton", dict(q_len=1024), "as many queries as keys"),
+    ("pallas-flash", dict(dtype="float32"), "bfloat16 or float16"),
+    ("pallas-flash", dict(head_dim=512), "head_dim 512"),
+    ("pallas-flash", dict(heads=12, kv_heads=8), "12 query heads are not a multiple of 8 KV heads"),
 ])
 def test_a_kernel_refuses_what_it_cannot_take(impl, changes, reason):
     assert fa.refusal(impl, call()) is None
@@ -127,29 +130,31 @@ def test_a_kernel_refuses_what_it_cannot_take(impl, changes, reason):
 
 def test_pallas_takes_packed_rows_and_attention_raises_on_a_refused_call():
     assert fa.refusal("pallas-triton", call(packed=True, head_dim=256)) is None
+    assert fa.refusal("pallas-flash", call(packed=True, q_offset=True, window=True, q_len=1024)) is None
     q, k, v = qkv(jnp.bfloat16)
     with pytest.raises(ValueError, match="pallas-triton cannot take this call: no sliding window"):
         attention(q, k, v, impl="pallas-triton", window=16)
 
 
-def mha_forwards(jaxpr) -> int:
+def kernel_forwards(jaxpr, name: str) -> int:
     return count_eqns(jaxpr, lambda e: e.primitive.name == "pallas_call"
-                      and str(e.params.get("name", "")).startswith("mha_forward"))
+                      and str(e.params.get("name", "")).startswith(name))
 
 
+@pytest.mark.parametrize("impl, forward", [("pallas-triton", "mha_forward"), ("pallas-flash", "flash_forward")])
 @pytest.mark.parametrize("policy, forwards", [("dots", 1), ("full", 2)])
-def test_remat_dots_keeps_the_kernels_output_and_runs_it_once(policy, forwards):
+def test_remat_dots_keeps_the_kernels_output_and_runs_it_once(impl, forward, policy, forwards):
     """Under the dot policies the kernel's output and log-sum-exp are kept: the backward pass runs only the
     kernel's backward (o_proj's needs the output); a policy that keeps nothing runs the forward kernel again."""
     q, k, v = qkv(jnp.bfloat16, t=128)
     seg = jnp.ones((B, 128), jnp.int32)
 
     def loss(q, k, v):
-        out = attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, impl="pallas-triton")
+        out = attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, impl=impl)
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
     kept = jax.checkpoint(loss, policy=DOT_POLICIES.get(policy, jax.checkpoint_policies.nothing_saveable))
-    assert mha_forwards(jax.make_jaxpr(jax.grad(kept, argnums=(0, 1, 2)))(q, k, v).jaxpr) == forwards
+    assert kernel_forwards(jax.make_jaxpr(jax.grad(kept, argnums=(0, 1, 2)))(q, k, v).jaxpr, forward) == forwards
 
 
 def test_the_check_takes_an_agreeing_kernel_and_says_why_it_refuses_others():
@@ -161,8 +166,8 @@ def test_the_check_takes_an_agreeing_kernel_and_says_why_it_refuses_others():
         assert disagreement("cudnn", unpacked) is None
         assert "output is off the float32 reference by nan" in disagreement("cudnn", packed, stand_in)
 
-    def scaled(q, k, v, *, q_segment_ids, kv_segment_ids):  # an error a few times the bound
-        out = blockwise_attention(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    def scaled(q, k, v, **segments):  # an error a few times the bound
+        out = blockwise_attention(q, k, v, **segments)
         return (out.astype(jnp.float32) * (1 + 2 ** -5)).astype(out.dtype)
 
     assert "its output is off" in disagreement("pallas-triton", packed, scaled)
@@ -171,6 +176,59 @@ def test_the_check_takes_an_agreeing_kernel_and_says_why_it_refuses_others():
         raise RuntimeError("no execution plans\nmore")
 
     assert disagreement("cudnn", unpacked, raises) == "RuntimeError: no execution plans"
+
+
+def test_the_check_takes_the_runs_query_offset_and_window():
+    """A cp run's kernel is checked at an offset, a windowed family's with a window: a kernel that drops either is
+    not taken."""
+    cp_windowed = call(heads=4, kv_heads=2, head_dim=64, packed=True, q_offset=True, window=True)
+    assert disagreement("pallas-flash", cp_windowed) is None
+
+    def offset_dropped(q, k, v, *, q_offset, **rest):
+        return blockwise_attention(q, k, v, **rest)
+
+    def window_dropped(q, k, v, *, window, **rest):
+        return blockwise_attention(q, k, v, **rest)
+
+    for dropped in (offset_dropped, window_dropped):
+        assert "its output is off" in disagreement("pallas-flash", cp_windowed, dropped)
+
+
+def flash_attn_func_stand_in(q, k, v, *, softmax_scale, causal):
+    """`jax_aiter.mha.flash_attn_func`'s documented semantics on JAX's XLA path: grouped KV heads as they are, a
+    causal mask aligned bottom-right (with as many queries as keys, the usual one)."""
+    assert causal and q.shape[1] == k.shape[1]
+    return jax.nn.dot_product_attention(q, k, v, scale=softmax_scale, is_causal=True, implementation="xla")
+
+
+def xla_aiter(q, k, v, q_seg, kv_seg, q_offset, window, scale):
+    return fa.aiter_attention(q, k, v, q_seg, kv_seg, q_offset, window, scale,
+                              flash_attn_func=flash_attn_func_stand_in)
+
+
+def test_aiter_equals_the_blockwise_path_on_rows_of_one_sequence_and_is_nan_on_others():
+    """AMD's kernel (untested on a ROCm machine) through a stand-in with its documented semantics: rows of one
+    sequence and their padding as the blockwise path; a packed row NaN."""
+    q, k, v = qkv()
+    seg = one_sequence_rows()
+    kernel = lambda q, k, v, seg: xla_aiter(q, k, v, seg, seg, 0, None, 0.3) * real_rows(seg)
+    for got, want in zip(values_and_grads(kernel, q, k, v, seg), values_and_grads(blockwise, q, k, v, seg)):
+        assert_close(got, want)
+    packed = packed_rows()
+    out = np.asarray(xla_aiter(q, k, v, packed, packed, 0, None, 0.3))
+    assert np.isnan(out).all(axis=(1, 2, 3)).tolist() == [True, True, False]
+    with KernelStandIn("aiter", xla_aiter):
+        assert disagreement("aiter", call(heads=4, kv_heads=2, head_dim=64, packed=False)) is None
+
+
+@pytest.mark.parametrize("platform, version, kernels_of", [
+    ("gpu", "cuda 12080", "cuda"), ("gpu", "rocm 60302", "rocm"), ("cpu", "cpu", "cpu")])
+def test_a_gpu_is_told_nvidia_or_amd_by_its_platform_version(platform, version, kernels_of):
+    """JAX names both GPUs "gpu": the client's platform version says whose kernels it may run."""
+    import types
+
+    device = types.SimpleNamespace(platform=platform, client=types.SimpleNamespace(platform_version=version))
+    assert fa.kernel_platform(device) == kernels_of
 
 
 def dataclass_replace(x, **changes):
@@ -208,29 +266,45 @@ def agree(impl, call):
 @pytest.mark.parametrize("options, cp, platform, impl, said", [
     ({}, 1, "cpu", "blockwise", "attention: blockwise (auto on cpu)"),
     (dict(seq_len=256), 1, "cpu", "xla", "attention: xla (auto on cpu)"),
-    (dict(attention="xla"), 1, "gpu", "xla", "attention: xla (--attention)"),
-    (dict(pack=False), 1, "gpu", "cudnn", "attention: cudnn (agrees with the portable path"),
-    ({}, 1, "gpu", "pallas-triton", "attention: pallas-triton (agrees"),
-    ({}, 2, "gpu", "blockwise", "auto takes blockwise; not taken: cudnn: rows of one sequence each"),
-    (dict(attention="cudnn"), 1, "gpu", "blockwise", "blockwise serves the run; not taken: cudnn: rows of one"),
-    (dict(attention="pallas-triton", dtype="float32"), 1, "gpu", "blockwise",
+    (dict(attention="xla"), 1, "cuda", "xla", "attention: xla (--attention)"),
+    (dict(pack=False), 1, "cuda", "cudnn", "attention: cudnn (agrees with the portable path"),
+    ({}, 1, "cuda", "pallas-triton", "attention: pallas-triton (agrees"),
+    ({}, 2, "cuda", "pallas-flash", "attention: pallas-flash (agrees"),
+    (dict(dtype="float32"), 2, "cuda", "blockwise", "auto takes blockwise; not taken: cudnn: rows of one sequence "
+     "each (padding as lengths): packed rows (--pack) need segments; pallas-triton: computes in bfloat16"),
+    (dict(attention="cudnn"), 1, "cuda", "blockwise", "blockwise serves the run; not taken: cudnn: rows of one"),
+    (dict(attention="pallas-triton", dtype="float32"), 1, "cuda", "blockwise",
      "not taken: pallas-triton: computes in bfloat16 or float16, not float32"),
+    (dict(pack=False), 1, "rocm", "aiter", "attention: aiter (agrees"),
+    ({}, 1, "rocm", "pallas-flash", "attention: pallas-flash (agrees"),
+    (dict(attention="aiter"), 1, "cuda", "blockwise", "not taken: aiter: not a kernel for cuda"),
 ])
 def test_a_run_takes_the_first_kernel_that_can_take_it_and_agrees(options, cp, platform, impl, said):
     choice = choose_attention(run(**options), LLAMA, cp, platform=platform, check=agree)
     assert choice.impl == impl
     assert said in choice.why
     # a run prints its line where a kernel was weighed: on an NVIDIA GPU, or a kernel named
-    assert choice.weighed == (platform == "gpu" and options.get("attention") != "xla")
+    assert choice.weighed == (platform in ("cuda", "rocm") and options.get("attention") != "xla")
+
+
+def test_the_option_offers_every_attention_path_and_plan_stands_in_for_each_kernel():
+    """`--attention`'s choices are the model's paths (the config module does not import JAX to list them); `--plan`,
+    which compiles no GPU kernel, takes the blockwise path for each kernel."""
+    import typing
+
+    from jaxmodel.attention import ATTENTION_IMPLS
+
+    assert typing.get_args(typing.get_type_hints(TrainConfig)["attention"]) == ("auto", *ATTENTION_IMPLS)
+    assert {run(attention=impl).attention_impl() for impl in fa.FUSED_IMPLS} == {"blockwise"}
 
 
 def test_a_kernel_that_disagrees_is_not_taken_and_the_line_says_why():
     said = {}
     check = lambda impl, call: said.setdefault(impl, f"{impl} is off")
-    choice = choose_attention(run(pack=False), LLAMA, 1, platform="gpu", check=check)
-    assert (choice.impl, list(said)) == ("blockwise", ["cudnn", "pallas-triton"])
+    choice = choose_attention(run(pack=False), LLAMA, 1, platform="cuda", check=check)
+    assert (choice.impl, list(said)) == ("blockwise", ["cudnn", "pallas-triton", "pallas-flash"])
     assert choice.why == ("attention: auto takes blockwise; not taken: cudnn: cudnn is off; "
-                          "pallas-triton: pallas-triton is off")
+                          "pallas-triton: pallas-triton is off; pallas-flash: pallas-flash is off")
 
 
 def test_a_windowed_family_and_context_parallel_calls_are_said_so():
@@ -266,7 +340,7 @@ def test_two_processes_whose_checks_differ_both_take_the_portable_path(tmp_path)
         "impl": "xla", "why": "attention: xla (the processes' checks differed: ['pallas-triton', 'xla'])"}
 
 
-def run_grads(tiny_converted, tmp_path, attention, dtype):
+def run_grads(tiny_converted, tmp_path, attention, dtype, mesh="dp=2,fsdp=1,mp=1"):
     """A run's setup (`finetune.train.build.setup`) on two devices and its loss and LoRA gradients on a batch of
     packed rows with padding, and what the run printed."""
     from flax import nnx
@@ -278,7 +352,7 @@ def run_grads(tiny_converted, tmp_path, attention, dtype):
     from finetune.train.loop import global_batch
 
     config = TrainConfig(model=str(tiny_converted), data=str(write_packed_data(tmp_path / "train.jsonl")),
-                         out=str(tmp_path / attention / dtype), mesh="dp=2,fsdp=1,mp=1", steps=1, batch_size=4,
+                         out=str(tmp_path / attention / dtype), mesh=mesh, steps=1, batch_size=4,
                          seq_len=32, dtype=dtype, attention=attention, progress=False).validate()
     run = setup(config, devices=jax.devices()[:2])
     lora = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), run.state.lora)
@@ -292,16 +366,19 @@ def run_grads(tiny_converted, tmp_path, attention, dtype):
 
 
 @pytest.mark.slow
-def test_a_run_named_to_a_kernel_checks_it_says_so_and_trains_within_the_bound(tiny_converted, tmp_path, capsys):
-    """`--attention pallas-triton` (interpreted on a CPU): the check passes, the run's first lines say so, and its
-    loss and LoRA gradients are as far from the float32 run as the blockwise path's in bf16, within the check's
-    factor."""
-    impl, kernel = run_grads(tiny_converted, tmp_path, "pallas-triton", "bfloat16")
-    assert impl == "pallas-triton"
-    assert "finetune-lora: attention: pallas-triton (agrees with the portable path on a check of this run's heads " \
+@pytest.mark.parametrize("kernel_name, mesh", [("pallas-triton", "dp=2,fsdp=1,mp=1"),
+                                               ("pallas-flash", "dp=1,fsdp=1,mp=1,cp=2")])
+def test_a_run_named_to_a_kernel_checks_it_says_so_and_trains_within_the_bound(tiny_converted, tmp_path, capsys,
+                                                                                kernel_name, mesh):
+    """`--attention pallas-triton`, and `pallas-flash` with cp (interpreted on a CPU): the check passes, the run's
+    first lines say so, and its loss and LoRA gradients are as far from the float32 run as the blockwise path's in
+    bf16, within the check's factor."""
+    impl, kernel = run_grads(tiny_converted, tmp_path, kernel_name, "bfloat16", mesh)
+    assert impl == kernel_name
+    assert f"finetune-lora: attention: {kernel_name} (agrees with the portable path on a check of this run's heads " \
         "in bfloat16)" in capsys.readouterr().err
-    _, portable = run_grads(tiny_converted, tmp_path, "blockwise", "bfloat16")
-    _, reference = run_grads(tiny_converted, tmp_path, "blockwise", "float32")
+    _, portable = run_grads(tiny_converted, tmp_path, "blockwise", "bfloat16", mesh)
+    _, reference = run_grads(tiny_converted, tmp_path, "blockwise", "float32", mesh)
     for got, port, want in zip(kernel, portable, reference):
         scale = np.abs(want).max()
         assert np.abs(got - want).max() <= AGREEMENT_FACTOR * max(np.abs(port - want).max(), 1e-3 * scale)

@@ -1,10 +1,10 @@
 """The attention path of a run: `--attention` resolved for its backend and shapes, a fused kernel checked before
 its first use (`jaxmodel.fused_attention`), the same decision on every process, and the lines that say why.
 
-`auto` takes, on an NVIDIA GPU, the first kernel of AUTO_KERNELS that can take the run and agrees with the portable
-path; elsewhere (and where none does) the portable path `TrainConfig.portable_attention` names. A kernel named by
-`--attention` is taken where it can take the run and agrees; otherwise the portable path serves the run, said in
-one line.
+`auto` takes, on a GPU, the first kernel of its platform's (`jaxmodel.fused_attention.KERNELS_ON`) that can take the
+run and agrees with the portable path; elsewhere (and where none does) the portable path
+`TrainConfig.portable_attention` names. A kernel named by `--attention` is taken where it can take the run and
+agrees; otherwise the portable path serves the run, said in one line.
 """
 
 from __future__ import annotations
@@ -17,10 +17,7 @@ import numpy as np
 from finetune.config import TrainConfig
 from jaxmodel.config import ModelConfig
 from jaxmodel.attention_check import disagreement
-from jaxmodel.fused_attention import CUDNN, FUSED_IMPLS, PALLAS_TRITON, AttentionCall, refusal
-
-# The kernels `auto` tries on an NVIDIA GPU, in order.
-AUTO_KERNELS = (CUDNN, PALLAS_TRITON)
+from jaxmodel.fused_attention import FUSED_IMPLS, KERNELS_ON, AttentionCall, kernel_platform, refusal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,21 +37,22 @@ def attention_call(config: TrainConfig, llama: ModelConfig, cp: int) -> Attentio
 
 def choose_attention(config: TrainConfig, llama: ModelConfig, cp: int, platform: str | None = None,
                      check=disagreement) -> AttentionChoice:
-    """The attention path of this run on `platform` (default: the default backend's), each fused candidate
-    checked once by `check(impl, call)` (a reason it is not taken, or None)."""
-    platform = platform or jax.devices()[0].platform
+    """The attention path of this run on `platform` (`kernel_platform`'s name; default: the default device's),
+    each fused candidate checked once by `check(impl, call)` (a reason it is not taken, or None)."""
+    platform = platform or kernel_platform(jax.devices()[0])
     portable = config.portable_attention(cp)
     call = attention_call(config, llama, cp)
     if config.attention in FUSED_IMPLS:
         candidates, fallback = (config.attention,), f"{portable} serves the run"
-    elif config.attention == "auto" and platform in ("gpu", "cuda"):
-        candidates, fallback = AUTO_KERNELS, f"auto takes {portable}"
+    elif config.attention == "auto" and platform in KERNELS_ON:
+        candidates, fallback = KERNELS_ON[platform], f"auto takes {portable}"
     else:
         why = "--attention" if config.attention != "auto" else f"auto on {platform}"
         return AttentionChoice(portable, f"attention: {portable} ({why})", weighed=False)
     reasons = []
     for impl in candidates:
-        reason = refusal(impl, call) or check(impl, call)
+        elsewhere = platform in KERNELS_ON and impl not in KERNELS_ON[platform]
+        reason = (f"not a kernel for {platform}" if elsewhere else None) or refusal(impl, call) or check(impl, call)
         if reason is None:
             return agreed(AttentionChoice(impl, f"attention: {impl} (agrees with the portable path on a check of "
                                                 f"this run's heads in {call.dtype})"), portable)

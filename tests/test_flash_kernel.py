@@ -1,0 +1,131 @@
+"""This package's Pallas flash attention (jaxmodel/flash_kernel.py) as far as a CPU can run it: in Pallas'
+interpreter, its output and gradients equal the blockwise path's (float32, 1e-5 of the largest entry) with query
+offsets, query and key segment ids apart, grouped KV heads, windows and padding to whole blocks, also as
+context parallelism's attention over a `cp` mesh; and its three kernels lower to Triton for a GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmodel import fused_attention as fa
+from jaxmodel.attention import blockwise_attention
+from jaxmodel.context_parallel import context_parallel_attention, cp_order
+from jaxmodel.flash_kernel import flash_attention
+
+
+def rows(b, s, seed=0):
+    """Segment ids `[b, s]`: row 0 three documents and padding, row 1 one document and padding, further rows one
+    document each."""
+    seg = np.ones((b, s), np.int32)
+    seg[0, s // 3:], seg[0, s // 2:], seg[0, s - s // 8:] = 2, 3, 0
+    if b > 1:
+        seg[1, s - s // 5:] = 0
+    return jnp.asarray(seg)
+
+
+def arrays(b, t, s, n, k, h, seed=0):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in
+            ((b, t, n, h), (b, s, k, h), (b, s, k, h), (b, t, n, h))]
+
+
+def values_and_grads(fn, q, k, v, cotangent):
+    def loss(q, k, v):
+        out = fn(q, k, v)
+        return jnp.sum(out * cotangent), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return [np.asarray(x) for x in (out, *grads)]
+
+
+def assert_same(got, want, rel=1e-5):
+    for name, g, w in zip(("output", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=rel * np.abs(w).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("t, s, offset, n, k, h, window", [
+    (160, 160, 0, 4, 2, 64, None),  # self-attention, padded to whole blocks
+    (96, 160, 64, 4, 2, 64, None),  # a chunk's queries at an offset: fewer queries than keys
+    (96, 160, 64, 4, 1, 32, 40),  # a window, reaching back over block bounds; four query heads a KV head
+    (64, 192, 100, 6, 2, 80, 70),  # an offset within a block, three query heads a KV head, head_dim padded
+])
+def test_the_kernel_equals_the_blockwise_path_in_float32(t, s, offset, n, k, h, window):
+    q, key, v, cotangent = arrays(2, t, s, n, k, h)
+    kv_seg = rows(2, s)
+    q_seg = kv_seg[:, offset:offset + t]
+    real = (np.asarray(q_seg) != 0)[:, :, None, None]
+    kernel = lambda q, k, v: flash_attention(q, k, v, q_seg, kv_seg, offset, window, scale=0.3) * real
+    blockwise = lambda q, k, v: blockwise_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                                                    q_offset=offset, window=window, scale=0.3)
+    assert_same(values_and_grads(kernel, q, key, v, cotangent), values_and_grads(blockwise, q, key, v, cotangent))
+
+
+def test_a_traced_offset_and_window_are_the_static_ones():
+    """Under jit, as a layer scan's window and a cp device's chunk give them."""
+    q, k, v, _ = arrays(1, 64, 128, 2, 1, 32)
+    seg = rows(1, 128)
+    want = flash_attention(q, k, v, seg[:, 64:], seg, 64, 30, scale=0.2)
+    got = jax.jit(lambda offset, window: flash_attention(q, k, v, seg[:, 64:], seg, offset, window, scale=0.2))(
+        jnp.int32(64), jnp.int32(30))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+class Float32Flash:
+    """pallas-flash offered float32 calls while inside (a GPU run's kernel computes in 16 bits; the equality
+    tests want float32's bound)."""
+
+    def __enter__(self):
+        self.kept = fa.KERNELS[fa.PALLAS_FLASH]
+        fa.KERNELS[fa.PALLAS_FLASH] = fa.Kernel(fa.PALLAS_FLASH, lambda call: None, self.kept.attend)
+
+    def __exit__(self, *exc):
+        fa.KERNELS[fa.PALLAS_FLASH] = self.kept
+
+
+@pytest.mark.parametrize("cp, window", [(2, None), (4, 40)])
+def test_under_cp_the_kernel_equals_the_blockwise_path(cp, window):
+    """Each device's two chunks at their offsets (chunks of 24 or 12 positions: offsets within the kernel's blocks)
+    against the all-gathered keys; the whole attention and its gradients as one device's blockwise path."""
+    t = 96
+    q, k, v, cotangent = arrays(2, t, t, 4, 2, 32)
+    seg = rows(2, t)
+    order = cp_order(t, cp)
+    mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp], axis_types=(jax.sharding.AxisType.Auto,))
+
+    def under_cp(q, k, v):
+        out = context_parallel_attention(q[:, order], k[:, order], v[:, order], segment_ids_bt=seg[:, order],
+                                         impl="pallas-flash", window=window, scale=0.3)
+        return jnp.zeros_like(out).at[:, order].set(out) * real  # back to the original order
+
+    real = (np.asarray(seg) != 0)[:, :, None, None]
+    one_device = lambda q, k, v: blockwise_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, window=window,
+                                                     scale=0.3)
+    want = values_and_grads(one_device, q, k, v, cotangent)
+    with Float32Flash(), jax.set_mesh(mesh):
+        got = values_and_grads(under_cp, q, k, v, cotangent)
+    assert_same(got, want)
+
+
+def triton_calls(text: str) -> int:
+    return text.count("stablehlo.custom_call @__gpu$xla.gpu.triton")
+
+
+@pytest.mark.parametrize("n, k, h", [(8, 2, 128), (6, 2, 80)])
+def test_the_kernels_lower_to_triton_for_a_gpu(n, k, h):
+    """Forward, dQ and dK/dV lower to Triton calls on a CPU-only machine (jax.jit's lowering for "cuda"): every
+    operation the kernels use has a Triton lowering, with a traced offset and window, grouped heads whose group is
+    not a power of two and a head_dim padded to one."""
+    q = jax.ShapeDtypeStruct((2, 128, n, h), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 256, k, h), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((2, 128), jnp.int32), jax.ShapeDtypeStruct((2, 256), jnp.int32)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def loss(q, k, v, q_seg, kv_seg, offset, window):
+        out = flash_attention(q, k, v, q_seg, kv_seg, offset, window, scale=0.1, interpret=False)
+        return jnp.sum(out.astype(jnp.float32))
+
+    forward = jax.jit(loss).trace(q, kv, kv, *seg, scalar, scalar).lower(lowering_platforms=("cuda",))
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, *seg, scalar, scalar).lower(
+        lowering_platforms=("cuda",))
+    assert (triton_calls(forward.as_text()), triton_calls(grads.as_text())) == (1, 3)
