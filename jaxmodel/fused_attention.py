@@ -39,7 +39,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxmodel.flash_kernel import NO_WINDOW, flash_attention
 from jaxmodel.matmul import saved_residual
 
 CUDNN = "cudnn"
@@ -105,7 +104,7 @@ def fused_attention(impl: str, q_btnh, k_bskh, v_bskh, *, q_segment_ids=None, kv
     q_seg_bt = jnp.ones((b, t), jnp.int32) if q_segment_ids is None else jnp.asarray(q_segment_ids, jnp.int32)
     kv_seg_bs = jnp.ones((b, s), jnp.int32) if kv_segment_ids is None else jnp.asarray(kv_segment_ids, jnp.int32)
     scale = q_btnh.shape[3] ** -0.5 if scale is None else float(scale)
-    positions = jnp.asarray(q_offset, jnp.int32), jnp.asarray(NO_WINDOW if window is None else window, jnp.int32)
+    positions = jnp.asarray(q_offset, jnp.int32), None if window is None else jnp.asarray(window, jnp.int32)
     out_btnh = _kept_for_backward(KERNELS[impl].attend, scale, q_btnh.astype(dtype), k_bskh.astype(dtype),
                                   v_bskh.astype(dtype), q_seg_bt, kv_seg_bs, *positions)
     return jnp.where((q_seg_bt != 0)[:, :, None, None], out_btnh, 0).astype(dtype)
@@ -257,7 +256,10 @@ def pallas_triton_attention(q_btnh, k_bskh, v_bskh, q_seg_bt, kv_seg_bs, q_offse
 
 
 def pallas_flash_attention(q_btnh, k_bskh, v_bskh, q_seg_bt, kv_seg_bs, q_offset, window, scale: float):
-    """`jaxmodel.flash_kernel.flash_attention` (interpreted on a CPU)."""
+    """`jaxmodel.flash_kernel.flash_attention` (interpreted on a CPU), imported at the first call: Pallas' Triton
+    modules add a tenth of a second to every command's start."""
+    from jaxmodel.flash_kernel import flash_attention
+
     return flash_attention(q_btnh, k_bskh, v_bskh, q_seg_bt, kv_seg_bs, q_offset, window, scale=scale)
 
 

@@ -95,6 +95,13 @@ def test_importing_a_package_does_not_import_jax():
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def test_the_model_imports_pallas_only_for_a_pallas_kernel():
+    """Pallas' Triton modules (a tenth of a second) load at a Pallas kernel's first call, not with the model."""
+    result = run_without((), "import sys\nimport jaxmodel.attention, jaxmodel.model\n"
+                             "assert 'jax.experimental.pallas' not in sys.modules, 'pallas was imported'")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_plan_simulates_its_devices_after_the_public_api_was_imported(tmp_path):
     config = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
