@@ -207,8 +207,9 @@ def blockwise_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
     v_mbksh = v_bskh.reshape(b, nk, bk, k, h).transpose(1, 0, 3, 2, 4)
     q_seg_nbt = q_seg_bt.reshape(b, nq, bq).transpose(1, 0, 2)
     kv_seg_mbs = kv_seg_bs.reshape(b, nk, bk).transpose(1, 0, 2)
-    # No window: one wider than every key distance, so that one set of block ranges serves both.
-    window = jnp.asarray(nk * bk + q_offset + 1 if window is None else window, jnp.int32)
+    # No window: one wider than every key distance (at most q_offset + nq * bq - 1), so that one set of block ranges
+    # serves both.
+    window = jnp.asarray(max(nq * bq, nk * bk) + q_offset + 1 if window is None else window, jnp.int32)
     scale = h ** -0.5 if scale is None else float(scale)
     out_nbkqh = _flash(q_nbkqh, k_mbksh, v_mbksh, q_seg_nbt, kv_seg_mbs, jnp.asarray(q_offset, jnp.int32), window, t,
                        scale)

@@ -40,52 +40,61 @@ _NEG = float(jnp.finfo(jnp.float32).min)
 
 def flash_attention(q_btnh, k_bskh, v_bskh, q_seg_bt, kv_seg_bs, q_offset=0, window=None, *, scale: float,
                     block_q: int = BLOCK_Q, block_kv: int = BLOCK_KV, interpret: bool | None = None):
-    """Causal attention `[b, t, n, h]` under the module docstring's mask. Sequences are padded to whole blocks
-    (segment 0) and head_dim to a power of two (zeros) where they are not; `interpret` (default: on a CPU) runs the
-    kernels in Pallas' interpreter."""
-    b, t, n, h = q_btnh.shape
-    s = k_bskh.shape[1]
-    if n % k_bskh.shape[2]:
-        raise ValueError(f"{n} query heads are not a multiple of {k_bskh.shape[2]} KV heads")
+    """Causal attention `[b, t, n, h]` under the module docstring's mask. The kernels see sequences padded to whole
+    blocks (segment 0) and head_dim padded to a power of two (zeros) where they are not; `interpret` (default: on a
+    CPU) runs them in Pallas' interpreter."""
+    if q_btnh.shape[2] % k_bskh.shape[2]:
+        raise ValueError(f"{q_btnh.shape[2]} query heads are not a multiple of {k_bskh.shape[2]} KV heads")
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
-    padded_h = max(16, 1 << (h - 1).bit_length())
-    padded_t, padded_s = -(-t // block_q) * block_q, -(-s // block_kv) * block_kv
-
-    def pad(x, length, axis=1):
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, length - x.shape[axis])
-        if x.ndim == 4:
-            widths[3] = (0, padded_h - h)
-        return x if all(w == (0, 0) for w in widths) else jnp.pad(x, widths)
-
     scalars = jnp.stack([jnp.asarray(q_offset, jnp.int32),
                          jnp.asarray(NO_WINDOW if window is None else window, jnp.int32)])
-    out = _flash(scale, block_q, block_kv, interpret, pad(q_btnh, padded_t), pad(k_bskh, padded_s),
-                 pad(v_bskh, padded_s), pad(jnp.asarray(q_seg_bt, jnp.int32), padded_t),
-                 pad(jnp.asarray(kv_seg_bs, jnp.int32), padded_s), scalars)
-    return out if out.shape == q_btnh.shape else out[:, :t, :, :h]
+    return _flash(scale, block_q, block_kv, interpret, q_btnh, k_bskh, v_bskh, jnp.asarray(q_seg_bt, jnp.int32),
+                  jnp.asarray(kv_seg_bs, jnp.int32), scalars)
 
 
+# The padding happens inside the custom VJP, so that its residuals are the inputs and the output as the caller has
+# them: padded copies would be values of their own, which a remat policy saves (every layer's gathered K/V under cp).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _flash(scale, block_q, block_kv, interpret, q, k, v, q_seg, kv_seg, scalars):
-    return _forward(scale, block_q, block_kv, interpret, q, k, v, q_seg, kv_seg, scalars)[0]
+    return _flash_fwd(scale, block_q, block_kv, interpret, q, k, v, q_seg, kv_seg, scalars)[0]
 
 
 def _flash_fwd(scale, block_q, block_kv, interpret, q, k, v, q_seg, kv_seg, scalars):
-    out, lse = _forward(scale, block_q, block_kv, interpret, q, k, v, q_seg, kv_seg, scalars)
+    pad_q, pad_kv = _padding(q.shape, block_q), _padding(k.shape, block_kv)
+    out, lse = _forward(scale, block_q, block_kv, interpret, pad_q(q), pad_kv(k), pad_kv(v), pad_q(q_seg),
+                        pad_kv(kv_seg), scalars)
+    out = out[:, :q.shape[1], :, :q.shape[3]] if out.shape != q.shape else out
     return out, (q, k, v, q_seg, kv_seg, scalars, out, lse)
 
 
 def _flash_bwd(scale, block_q, block_kv, interpret, residuals, d_out):
     q, k, v, q_seg, kv_seg, scalars, out, lse = residuals
+    pad_q, pad_kv = _padding(q.shape, block_q), _padding(k.shape, block_kv)
     delta_bnt = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
-    d_out = d_out.astype(q.dtype)
-    dq = _dq(scale, block_q, block_kv, interpret, q, k, v, q_seg, kv_seg, scalars, d_out, lse, delta_bnt)
-    dk, dv = _dkv(scale, block_q, block_kv, interpret, q, k, v, q_seg, kv_seg, scalars, d_out, lse, delta_bnt)
-    return dq, dk, dv, None, None, None
+    padded = (scale, block_q, block_kv, interpret, pad_q(q), pad_kv(k), pad_kv(v), pad_q(q_seg), pad_kv(kv_seg),
+              scalars, pad_q(d_out.astype(q.dtype)), lse, pad_q(delta_bnt, axis=2))
+    dq, (dk, dv) = _dq(*padded), _dkv(*padded)
+    t, s, h = q.shape[1], k.shape[1], q.shape[3]
+    return dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h], None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _padding(shape_bt, block: int):
+    """A function padding an array's sequence axis (1, or `axis`) with zeros to whole blocks of `block`, and a
+    `[b, t, heads, h]` array's head_dim to a power of two (at least 16, Triton's smallest dot)."""
+    length = -(-shape_bt[1] // block) * block
+    head_dim = max(16, 1 << (shape_bt[3] - 1).bit_length())
+
+    def pad(x, axis=1):
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, length - x.shape[axis])
+        if x.ndim == 4:
+            widths[3] = (0, head_dim - x.shape[3])
+        return x if all(w == (0, 0) for w in widths) else jnp.pad(x, widths)
+
+    return pad
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -205,9 +214,10 @@ def _scalars_spec():
     return pl.BlockSpec((2,), lambda *_: (0,))
 
 
-# Triton's lowering (Pallas' default on a GPU is Mosaic, which wants other kernels); warps as JAX's own attention
-# kernel takes them for blocks of this size.
-_TRITON = pl_triton.CompilerParams(num_warps=4, num_stages=2)
+def _triton(head_dim: int):
+    """Triton's lowering (Pallas' default on a GPU is Mosaic, which wants other kernels), with JAX's own attention
+    kernel's warps for a head_dim: 4 up to 64, else 8 (a program's float32 accumulators are block x head_dim)."""
+    return pl_triton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
 
 
 def _query_program_specs(s: int, h: int, r: int, block_q: int):
@@ -231,7 +241,7 @@ def _forward(scale, block_q, block_kv, interpret, q, k, v, q_seg, kv_seg, scalar
         grid=(t // block_q, b, n), in_specs=[_scalars_spec(), queries, keys, keys, q_segs, kv_segs],
         out_specs=[queries, per_query],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32)],
-        name="flash_forward", interpret=interpret, compiler_params=_TRITON,
+        name="flash_forward", interpret=interpret, compiler_params=_triton(h),
     )(scalars, q, k, v, q_seg, kv_seg)
 
 
@@ -243,7 +253,7 @@ def _dq(scale, block_q, block_kv, interpret, q, k, v, q_seg, kv_seg, scalars, d_
         grid=(t // block_q, b, n),
         in_specs=[_scalars_spec(), queries, keys, keys, q_segs, kv_segs, queries, per_query, per_query],
         out_specs=queries, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        name="flash_backward_dq", interpret=interpret, compiler_params=_TRITON,
+        name="flash_backward_dq", interpret=interpret, compiler_params=_triton(h),
     )(scalars, q, k, v, q_seg, kv_seg, d_out, lse, delta)
 
 
@@ -264,5 +274,5 @@ def _dkv(scale, block_q, block_kv, interpret, q, k, v, q_seg, kv_seg, scalars, d
                   group_per_query],
         out_specs=[key_block, key_block],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        name="flash_backward_dkv", interpret=interpret, compiler_params=_TRITON,
+        name="flash_backward_dkv", interpret=interpret, compiler_params=_triton(h),
     )(scalars, q, k, v, q_seg, kv_seg, d_out, lse, delta)

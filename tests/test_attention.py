@@ -137,6 +137,15 @@ def test_blockwise_equals_plain_path(case):
         assert np.all(grad == 0)
 
 
+def test_blockwise_with_more_queries_than_keys_equals_the_plain_path():
+    """The last queries see every key: the default (no) window reaches past the keys' end."""
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.normal(size=(1, 48, 2, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(1, 24, 1, 8)), jnp.float32) for _ in range(2))
+    got = blockwise_attention(q, k, v, block_q=16, block_kv=8)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(attention(q, k, v)), rtol=0, atol=1e-6)
+
+
 def visited_blocks(monkeypatch, case: dict, **kw) -> tuple[set, set]:
     """The (query block, key block) pairs whose scores the forward and the backward pass compute."""
     seen = {"forward": set(), "backward": set()}

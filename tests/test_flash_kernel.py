@@ -11,7 +11,7 @@ import pytest
 from jaxmodel import fused_attention as fa
 from jaxmodel.attention import blockwise_attention
 from jaxmodel.context_parallel import context_parallel_attention, cp_order
-from jaxmodel.flash_kernel import flash_attention
+from jaxmodel.flash_kernel import NO_WINDOW, _key_blocks, _query_blocks, flash_attention
 
 
 def rows(b, s, seed=0):
@@ -49,16 +49,37 @@ def assert_same(got, want, rel=1e-5):
     (96, 160, 64, 4, 2, 64, None),  # a chunk's queries at an offset: fewer queries than keys
     (96, 160, 64, 4, 1, 32, 40),  # a window, reaching back over block bounds; four query heads a KV head
     (64, 192, 100, 6, 2, 80, 70),  # an offset within a block, three query heads a KV head, head_dim padded
+    (48, 24, 0, 4, 2, 32, None),  # more queries than keys
+    (16, 160, 144, 4, 2, 64, None),  # row 0's queries all padding
 ])
 def test_the_kernel_equals_the_blockwise_path_in_float32(t, s, offset, n, k, h, window):
     q, key, v, cotangent = arrays(2, t, s, n, k, h)
-    kv_seg = rows(2, s)
-    q_seg = kv_seg[:, offset:offset + t]
+    seg = rows(2, max(s, offset + t))  # the positions of queries and keys
+    kv_seg, q_seg = seg[:, :s], seg[:, offset:offset + t]
     real = (np.asarray(q_seg) != 0)[:, :, None, None]
     kernel = lambda q, k, v: flash_attention(q, k, v, q_seg, kv_seg, offset, window, scale=0.3) * real
     blockwise = lambda q, k, v: blockwise_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                                                     q_offset=offset, window=window, scale=0.3)
     assert_same(values_and_grads(kernel, q, key, v, cotangent), values_and_grads(blockwise, q, key, v, cotangent))
+
+
+@pytest.mark.parametrize("block_q, block_kv", [(16, 32), (32, 16)])
+def test_each_program_walks_exactly_the_blocks_that_hold_a_visible_pair(block_q, block_kv):
+    """By index (the segments aside): a query block walks the key blocks, and a key block (dK/dV) the query blocks,
+    holding at least one pair within the causal window, and no other."""
+    for offset in (0, 5, 64, 100):
+        for window in (1, 3, 40, NO_WINDOW):
+            for t, s in ((16, 64), (96, 160), (64, 48)):
+                q_blocks, kv_blocks = -(-t // block_q), -(-s // block_kv)
+                distance = offset + np.arange(q_blocks * block_q)[:, None] - np.arange(kv_blocks * block_kv)[None, :]
+                visible = ((distance >= 0) & (distance < window)).reshape(q_blocks, block_q, kv_blocks, block_kv)
+                pairs = visible.any(axis=(1, 3))  # [query block, key block]
+                for i in range(q_blocks):
+                    lo, hi = _key_blocks(offset + i * block_q, block_q, window, block_kv, kv_blocks)
+                    assert list(range(int(lo), int(hi))) == np.flatnonzero(pairs[i]).tolist(), (offset, window, t, s)
+                for j in range(kv_blocks):
+                    lo, hi = _query_blocks(j * block_kv, block_kv, offset, window, block_q, q_blocks)
+                    assert list(range(int(lo), int(hi))) == np.flatnonzero(pairs[:, j]).tolist(), (offset, window, j)
 
 
 def test_a_traced_offset_and_window_are_the_static_ones():
@@ -111,14 +132,16 @@ def triton_calls(text: str) -> int:
     return text.count("stablehlo.custom_call @__gpu$xla.gpu.triton")
 
 
-@pytest.mark.parametrize("n, k, h", [(8, 2, 128), (6, 2, 80)])
-def test_the_kernels_lower_to_triton_for_a_gpu(n, k, h):
+@pytest.mark.parametrize("t, s, n, k, h", [(128, 256, 8, 2, 128), (100, 300, 6, 2, 80), (128, 128, 4, 1, 256)])
+def test_the_kernels_lower_to_triton_for_a_gpu(t, s, n, k, h):
     """Forward, dQ and dK/dV lower to Triton calls on a CPU-only machine (jax.jit's lowering for "cuda"): every
     operation the kernels use has a Triton lowering, with a traced offset and window, grouped heads whose group is
-    not a power of two and a head_dim padded to one."""
-    q = jax.ShapeDtypeStruct((2, 128, n, h), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, 256, k, h), jnp.bfloat16)
-    seg = jax.ShapeDtypeStruct((2, 128), jnp.int32), jax.ShapeDtypeStruct((2, 256), jnp.int32)
+    not a power of two, lengths padded to whole blocks, a head_dim padded to a power of two and Gemma's 256. (Triton's
+    own compilation, its registers and shared memory, happen on the GPU: the check before a run takes the kernel is
+    what meets a failure there.)"""
+    q = jax.ShapeDtypeStruct((2, t, n, h), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, s, k, h), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((2, t), jnp.int32), jax.ShapeDtypeStruct((2, s), jnp.int32)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
 
     def loss(q, k, v, q_seg, kv_seg, offset, window):

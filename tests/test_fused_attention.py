@@ -6,6 +6,7 @@ the dot policies; and the choice of a run's attention path (finetune/step/attent
 
 import functools
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -155,6 +156,24 @@ def test_remat_dots_keeps_the_kernels_output_and_runs_it_once(impl, forward, pol
 
     kept = jax.checkpoint(loss, policy=DOT_POLICIES.get(policy, jax.checkpoint_policies.nothing_saveable))
     assert kernel_forwards(jax.make_jaxpr(jax.grad(kept, argnums=(0, 1, 2)))(q, k, v).jaxpr, forward) == forwards
+
+
+@pytest.mark.parametrize("t, h", [(128, 64), (128, 80), (96, 64)])
+def test_under_dots_pallas_flash_keeps_its_output_and_log_sum_exp_and_no_padded_copy(t, h, capsys):
+    """What `--remat dots` keeps of the kernel: its output (as bits) and log-sum-exp, also where the kernel pads the
+    sequence to whole blocks or head_dim to a power of two (padded copies of q, k, v or the output would be more)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, t, heads, h)), jnp.bfloat16) for heads in (N, K, K))
+    seg = jnp.ones((1, t), jnp.int32)
+
+    def loss(q, k, v):
+        out = attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, impl="pallas-flash")
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(loss, policy=DOT_POLICIES["dots"]), q, k, v)
+    kept = re.findall(r"(\w+\[[\d,]+\]) named 'batched_dot'", capsys.readouterr().out)
+    padded_t = -(-t // 64) * 64
+    assert sorted(kept) == [f"f32[1,{N},{padded_t}]", f"u16[1,{t},{N},{h}]"]
 
 
 def test_the_check_takes_an_agreeing_kernel_and_says_why_it_refuses_others():
