@@ -341,13 +341,12 @@ def attention_checks(llama: ModelConfig, dtype: str, platform: str) -> dict:
     """Each fused kernel's check before a run takes it (`jaxmodel.attention_check.disagreement`), at the model's
     heads in `dtype`, on each of CHECKED_CALLS: "agrees" or why not."""
     checks = {}
-    for impl in attention_impls(platform):
-        if impl in FUSED_IMPLS:
-            checks[impl] = {}
-            for name, facts in CHECKED_CALLS.items():
-                call = AttentionCall(dtype, llama.head_dim, llama.num_attention_heads, llama.num_key_value_heads,
-                                     **{"q_len": 2048, "kv_len": 2048, "q_offset": False, "window": False, **facts})
-                checks[impl][name] = refusal(impl, call) or disagreement(impl, call) or "agrees"
+    for impl in KERNELS_ON.get(platform, ()):
+        checks[impl] = {}
+        for name, facts in CHECKED_CALLS.items():
+            call = AttentionCall(dtype, llama.head_dim, llama.num_attention_heads, llama.num_key_value_heads,
+                                 **{"q_len": 2048, "kv_len": 2048, "q_offset": False, "window": False, **facts})
+            checks[impl][name] = refusal(impl, call) or disagreement(impl, call) or "agrees"
     return checks
 
 

@@ -280,8 +280,8 @@ class TrainConfig:
         """The attention `--plan` compiles: the portable path, and blockwise for a fused kernel (a CPU compiles
         none; both hold O(seq) per row: the output and its log-sum-exp). The run resolves its own
         (`finetune.step.attention_choice`)."""
-        return "blockwise" if self.attention in ("cudnn", "pallas-triton", "pallas-flash", "aiter") else (
-            self.portable_attention(cp))
+        fused = self.attention not in ("auto", "xla", "blockwise")
+        return "blockwise" if fused else self.portable_attention(cp)
 
     @property
     def target_modules(self) -> tuple[str, ...]:

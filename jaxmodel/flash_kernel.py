@@ -81,11 +81,11 @@ def _flash_bwd(scale, block_q, block_kv, interpret, residuals, d_out):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _padding(shape_bt, block: int):
+def _padding(shape, block: int):
     """A function padding an array's sequence axis (1, or `axis`) with zeros to whole blocks of `block`, and a
     `[b, t, heads, h]` array's head_dim to a power of two (at least 16, Triton's smallest dot)."""
-    length = -(-shape_bt[1] // block) * block
-    head_dim = max(16, 1 << (shape_bt[3] - 1).bit_length())
+    length = -(-shape[1] // block) * block
+    head_dim = max(16, 1 << (shape[3] - 1).bit_length())
 
     def pad(x, axis=1):
         widths = [(0, 0)] * x.ndim

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_fused_attention import KernelStandIn
 
-from jaxmodel import fused_attention as fa
 from jaxmodel.attention import blockwise_attention
 from jaxmodel.context_parallel import context_parallel_attention, cp_order
 from jaxmodel.flash_kernel import NO_WINDOW, _key_blocks, _query_blocks, flash_attention
@@ -92,18 +92,6 @@ def test_a_traced_offset_and_window_are_the_static_ones():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-class Float32Flash:
-    """pallas-flash offered float32 calls while inside (a GPU run's kernel computes in 16 bits; the equality
-    tests want float32's bound)."""
-
-    def __enter__(self):
-        self.kept = fa.KERNELS[fa.PALLAS_FLASH]
-        fa.KERNELS[fa.PALLAS_FLASH] = fa.Kernel(fa.PALLAS_FLASH, lambda call: None, self.kept.attend)
-
-    def __exit__(self, *exc):
-        fa.KERNELS[fa.PALLAS_FLASH] = self.kept
-
-
 @pytest.mark.parametrize("cp, window", [(2, None), (4, 40)])
 def test_under_cp_the_kernel_equals_the_blockwise_path(cp, window):
     """Each device's two chunks at their offsets (chunks of 24 or 12 positions: offsets within the kernel's blocks)
@@ -123,7 +111,8 @@ def test_under_cp_the_kernel_equals_the_blockwise_path(cp, window):
     one_device = lambda q, k, v: blockwise_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, window=window,
                                                      scale=0.3)
     want = values_and_grads(one_device, q, k, v, cotangent)
-    with Float32Flash(), jax.set_mesh(mesh):
+    # pallas-flash offered float32 calls (a GPU run's kernel computes in 16 bits; the equality wants float32's bound)
+    with KernelStandIn("pallas-flash", refusal=lambda call: None), jax.set_mesh(mesh):
         got = values_and_grads(under_cp, q, k, v, cotangent)
     assert_same(got, want)
 

@@ -181,7 +181,7 @@ def test_the_check_takes_an_agreeing_kernel_and_says_why_it_refuses_others():
     assert disagreement("pallas-triton", packed) is None
     unpacked = dataclass_replace(packed, packed=False)
     stand_in = partial_attention("cudnn")
-    with KernelStandIn("cudnn", xla_cudnn):
+    with KernelStandIn("cudnn", attend=xla_cudnn):
         assert disagreement("cudnn", unpacked) is None
         assert "output is off the float32 reference by nan" in disagreement("cudnn", packed, stand_in)
 
@@ -236,7 +236,7 @@ def test_aiter_equals_the_blockwise_path_on_rows_of_one_sequence_and_is_nan_on_o
     packed = packed_rows()
     out = np.asarray(xla_aiter(q, k, v, packed, packed, 0, None, 0.3))
     assert np.isnan(out).all(axis=(1, 2, 3)).tolist() == [True, True, False]
-    with KernelStandIn("aiter", xla_aiter):
+    with KernelStandIn("aiter", attend=xla_aiter):
         assert disagreement("aiter", call(heads=4, kv_heads=2, head_dim=64, packed=False)) is None
 
 
@@ -257,14 +257,14 @@ def dataclass_replace(x, **changes):
 
 
 class KernelStandIn:
-    """Kernel `impl`'s attend replaced by `attend` while inside."""
+    """Kernel `impl`'s fields (`attend`, `refusal`) replaced by `changes` while inside."""
 
-    def __init__(self, impl, attend):
-        self.impl, self.attend = impl, attend
+    def __init__(self, impl, **changes):
+        self.impl, self.changes = impl, changes
 
     def __enter__(self):
         self.kept = fa.KERNELS[self.impl]
-        fa.KERNELS[self.impl] = dataclass_replace(self.kept, attend=self.attend)
+        fa.KERNELS[self.impl] = dataclass_replace(self.kept, **self.changes)
 
     def __exit__(self, *exc):
         fa.KERNELS[self.impl] = self.kept

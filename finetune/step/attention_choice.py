@@ -39,7 +39,7 @@ def choose_attention(config: TrainConfig, llama: ModelConfig, cp: int, platform:
                      check=disagreement) -> AttentionChoice:
     """The attention path of this run on `platform` (`kernel_platform`'s name; default: the default device's),
     each fused candidate checked once by `check(impl, call)` (a reason it is not taken, or None)."""
-    platform = platform or kernel_platform(jax.devices()[0])
+    platform = platform or kernel_platform()
     portable = config.portable_attention(cp)
     call = attention_call(config, llama, cp)
     if config.attention in FUSED_IMPLS:
