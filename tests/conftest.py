@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 # Before jax is imported anywhere: a simulated 8-device node, and no network for the hub. On two busy cores the
 # simulated devices' threads can reach one collective more than XLA's default 40 s apart, which aborts the process:
@@ -29,20 +30,25 @@ os.environ["HF_HOME"] = os.path.join(_CACHE, "huggingface")
 # its workers, so they and their subprocesses share the controller's directory.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_CACHE, "jax-compilation"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# What `built_once` builds: the controller's directory too, so that every worker reads one copy.
+os.environ.setdefault("LLAMA_JAX_TEST_SHARED", os.path.join(_CACHE, "shared"))
 
 
-def _start_jax_with_llvm_unoptimised() -> None:
+def _start_jax_compiling_quickly() -> None:
     """This process's own programs are small and compiled once or twice each: compiling them takes longer than running
-    them, and without LLVM's optimisations XLA:CPU compiles them in about half the time. The HLO, its partitioning,
-    memory and collectives are XLA's and the same; elementwise functions such as exp are computed by other code and
-    may differ in their last bits (exp by up to ~5e-7 relative), well inside the suite's float32 bounds, and the
-    paths a test compares with each other run alike. XLA reads XLA_FLAGS once, when the backend starts: it starts
-    here with the flag, and the environment is then set back, so that subprocesses (the CLIs' runs, the demo, whose
-    programs run long enough to repay LLVM's work) compile as a user's run does."""
+    them. Without LLVM's optimisations and with XLA:CPU's older loop emitters in place of its MLIR fusion emitters,
+    they compile in about a third of the time (the suite's durations table: docs/design.md). The HLO, its
+    partitioning, memory and collectives are XLA's and the same; elementwise functions such as exp are computed by
+    other code and may differ in their last bits (exp by up to ~5e-7 relative), well inside the suite's float32
+    bounds, and the paths a test compares with each other run alike. XLA reads XLA_FLAGS once, when the backend
+    starts: it starts here with the flags, and the environment is then set back, so that subprocesses (the CLIs'
+    runs, the demo, whose programs run long enough to repay LLVM's work) compile as a user's run does."""
     flags = os.environ["XLA_FLAGS"]
     if "--xla_backend_optimization_level" in flags:
         return
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0"
+    from isolation import QUICK_COMPILE_FLAGS
+
+    os.environ["XLA_FLAGS"] = f"{flags} {QUICK_COMPILE_FLAGS}"
     try:
         import jax
 
@@ -51,8 +57,11 @@ def _start_jax_with_llvm_unoptimised() -> None:
         os.environ["XLA_FLAGS"] = flags
 
 
-_start_jax_with_llvm_unoptimised()
+_start_jax_compiling_quickly()
 
+import subprocess  # noqa: E402
+
+import jax.monitoring  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
@@ -65,22 +74,91 @@ settings.register_profile("ci", derandomize=True, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
-@pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory):
-    """A small HF Llama directory (sharded safetensors, tokenizer) built once per session."""
-    from demo.tiny import build_tiny_model
+def pytest_configure(config):
+    import timing
 
-    return build_tiny_model(tmp_path_factory.mktemp("hf") / "tiny", max_shard_size=200_000)
+    timing.register(config)
 
 
-@pytest.fixture(scope="session")
-def tiny_converted(tiny_checkpoint, tmp_path_factory):
-    """`tiny_checkpoint` converted once per session (read-only for tests)."""
+# The fast tier (`tox -e fast`: tests marked neither slow nor e2e) stays fast by what its tests do, not by a timer: a
+# test of it that starts a Python process or compiles a train step (its fixtures included) fails, naming what it did. `_FAST_TIER["test"]` is the
+# fast-tier test being run (its fixtures' setup included), `found` what it did that the tier does not allow.
+_FAST_TIER = {"test": None, "found": []}
+_execute_child = subprocess.Popen._execute_child
+
+
+def _execute_child_noted(self, args, *rest, **kwargs):
+    program = str(args if isinstance(args, (str, bytes, os.PathLike)) else args[0])
+    if _FAST_TIER["test"] is not None and "python" in os.path.basename(program):  # not `true`, `sleep` or `bash -n`
+        _FAST_TIER["found"].append(f"started a Python process ({program})")
+    return _execute_child(self, args, *rest, **kwargs)
+
+
+subprocess.Popen._execute_child = _execute_child_noted
+
+
+def _on_trace(event: str, duration: float, fun_name: str = "", **_) -> None:
+    if _FAST_TIER["test"] is not None and event == TRACE_EVENT and fun_name == "train_step":
+        _FAST_TIER["found"].append("compiled a train step")
+
+
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+jax.monitoring.register_event_duration_secs_listener(_on_trace)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    fast = not (item.get_closest_marker("slow") or item.get_closest_marker("e2e"))
+    _FAST_TIER.update(test=item.nodeid if fast else None, found=[])
+    yield
+    _FAST_TIER["test"] = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if call.when == "call" and report.passed and _FAST_TIER["found"]:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} is in the fast tier (marked neither slow nor e2e) but "
+                           f"{'; '.join(dict.fromkeys(_FAST_TIER['found']))}: mark it slow")
+
+
+def built_once(name: str, build) -> Path:
+    """`build(path)` run once a test session, by whichever process asks first (an xdist worker, or pytest alone), into
+    a directory the session's workers share; the others wait on its lock and get what it built. Returns the path
+    (read-only for tests)."""
+    from filelock import FileLock
+
+    root = Path(os.environ["LLAMA_JAX_TEST_SHARED"])
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / name
+    with FileLock(root / f"{name}.lock"):
+        if not path.exists():
+            partial = root / f"{name}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            build(partial)
+            partial.rename(path)
+    return path
+
+
+def _convert(checkpoint: Path):
     from converter import convert
 
-    out = tmp_path_factory.mktemp("jax") / "tiny"
-    convert(tiny_checkpoint, out, progress=False)
-    return out
+    return lambda out: convert(checkpoint, out, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint():
+    """A small HF Llama directory (sharded safetensors, tokenizer) built once a session."""
+    from demo.tiny import build_tiny_model
+
+    return built_once("hf-tiny", lambda out: build_tiny_model(out, max_shard_size=200_000))
+
+
+@pytest.fixture(scope="session")
+def tiny_converted(tiny_checkpoint):
+    """`tiny_checkpoint` converted once a session (read-only for tests)."""
+    return built_once("jax-tiny", _convert(tiny_checkpoint))
 
 
 def _pretrained(name: str, build):
@@ -93,14 +171,6 @@ def _pretrained(name: str, build):
         pytest.skip(f"{name} unavailable: {e}")
 
 
-def _converted(checkpoint, tmp_path_factory, name: str):
-    from converter import convert
-
-    out = tmp_path_factory.mktemp("jax") / name
-    convert(checkpoint, out, progress=False)
-    return out
-
-
 @pytest.fixture(scope="session")
 def smollm2_checkpoint():
     """SmolLM2-135M-Instruct as an HF checkpoint directory (tests/pretrained.py), read-only; skipped with the reason
@@ -111,9 +181,9 @@ def smollm2_checkpoint():
 
 
 @pytest.fixture(scope="session")
-def smollm2_converted(smollm2_checkpoint, tmp_path_factory):
-    """`smollm2_checkpoint` converted once per session (read-only for tests)."""
-    return _converted(smollm2_checkpoint, tmp_path_factory, "smollm2")
+def smollm2_converted(smollm2_checkpoint):
+    """`smollm2_checkpoint` converted once a session (read-only for tests)."""
+    return built_once("jax-smollm2", _convert(smollm2_checkpoint))
 
 
 @pytest.fixture(scope="session")
@@ -126,9 +196,9 @@ def gemma3_checkpoint():
 
 
 @pytest.fixture(scope="session")
-def gemma3_converted(gemma3_checkpoint, tmp_path_factory):
-    """`gemma3_checkpoint` converted once per session (read-only for tests)."""
-    return _converted(gemma3_checkpoint, tmp_path_factory, "gemma3")
+def gemma3_converted(gemma3_checkpoint):
+    """`gemma3_checkpoint` converted once a session (read-only for tests)."""
+    return built_once("jax-gemma3", _convert(gemma3_checkpoint))
 
 
 @pytest.fixture(scope="module")

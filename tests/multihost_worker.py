@@ -5,9 +5,10 @@ gradients of the first global batch, computed across processes over loopback (gl
 import os
 import sys
 
-# LLVM's optimisations off, as in the test process whose one-device results this one's are compared with
-# (tests/conftest.py)
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
+from isolation import QUICK_COMPILE_FLAGS
+
+# Compiled as the test process whose one-device results this one's are compared with (tests/conftest.py)
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=4 {QUICK_COMPILE_FLAGS}"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -47,6 +47,7 @@ def modules_of(package: str) -> list[str]:
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
+@pytest.mark.slow
 def test_every_module_imports_with_the_packages_it_must_not_use_blocked(package):
     modules = modules_of(package)
     assert len(modules) > 2
@@ -55,6 +56,7 @@ def test_every_module_imports_with_the_packages_it_must_not_use_blocked(package)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_the_blocking_is_real():
     result = run_without(("finetune",), "import export.adapter")
     assert result.returncode != 0 and "finetune" in result.stderr
@@ -89,12 +91,14 @@ def test_public_names_stay_functions_after_every_module_is_imported():
             assert not isinstance(getattr(module, public), types.ModuleType), f"{package}.{public}"
 
 
+@pytest.mark.slow
 def test_importing_a_package_does_not_import_jax():
     result = run_without((), "import sys\nimport converter, demo, export, finetune, jaxmodel\n"
                              "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)")
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_the_model_imports_pallas_only_for_a_pallas_kernel():
     """Pallas' Triton modules (a tenth of a second) load at a Pallas kernel's first call, not with the model."""
     result = run_without((), "import sys\nimport jaxmodel.attention, jaxmodel.model\n"
@@ -227,6 +231,7 @@ def test_finetune_subpackages_import_only_downwards():
     assert not wrong, wrong
 
 
+@pytest.mark.slow
 def test_data_code_never_imports_jax():
     """Not even inside a function (the static check), and importing every data module loads none of the JAX stack
     (a fresh interpreter where it is not installed)."""

@@ -121,6 +121,7 @@ def test_bad_long_context_options_are_one_line(tmp_path, tiny_converted, data_fi
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_under_cp_the_frozen_heads_chunks_hold_device_rows_of_each_devices_own_rows(tmp_path):
     """Each device's part of a sequence is a row of its own (`rows_over_cp`): with cp=8 and one sequence of 8 x 512
     positions, each device holds one row and its chunks of the frozen head's loss hold FROZEN_HEAD_DEVICE_ROWS

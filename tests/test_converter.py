@@ -230,6 +230,7 @@ def run_cli(*args: str, env_extra: dict | None = None) -> subprocess.CompletedPr
                           env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_hub_id_resolves_from_the_local_cache_offline(tmp_path, tiny_checkpoint):
     cache = tmp_path / "hub"
     make_hub_cache(cache, "meta-llama/Tiny-Llama-3.1", tiny_checkpoint)
@@ -241,6 +242,7 @@ def test_hub_id_resolves_from_the_local_cache_offline(tmp_path, tiny_checkpoint)
     assert_matches_hf(tmp_path / "out", hf_state(tiny_checkpoint))
 
 
+@pytest.mark.slow
 def test_hub_id_missing_from_cache_offline_is_a_clear_error(tmp_path):
     result = run_cli("--src", "meta-llama/Not-Cached", "--out", str(tmp_path / "out"),
                      env_extra={"HF_HUB_CACHE": str(tmp_path / "empty")})
@@ -250,6 +252,7 @@ def test_hub_id_missing_from_cache_offline_is_a_clear_error(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_safetensors_conversion_needs_no_torch(tmp_path, tiny_checkpoint):
     """A rocm/jax container has no torch: converting and loading safetensors must not import it."""
     result = run_without(("torch", "transformers", "peft"), (
@@ -263,6 +266,7 @@ def test_safetensors_conversion_needs_no_torch(tmp_path, tiny_checkpoint):
     assert result.stdout.strip().endswith("ok")
 
 
+@pytest.mark.slow
 def test_bin_checkpoint_without_torch_is_a_clear_error(tmp_path):
     src = build_tiny_model(tmp_path / "hf", SMALL, weights="bin", tokenizer=False)
     result = run_without(("torch",), (

@@ -108,6 +108,7 @@ def test_failure_after_planning_leaves_no_output(capsys, tmp_path, src, monkeypa
     assert_clean_failure(code, err, tmp_path, "No space left on device")
 
 
+@pytest.mark.slow
 def test_the_installed_command_exits_nonzero_with_one_line(tmp_path, src):
     config = json.loads((src / "config.json").read_text())
     config["model_type"] = "gpt2"

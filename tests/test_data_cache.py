@@ -179,6 +179,7 @@ def run_script(cache, builds, pause):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
+@pytest.mark.slow
 def test_two_processes_build_one_entry(tmp_path):
     cache, builds = tmp_path / "cache", tmp_path / "builds.txt"
     processes = [run_script(cache, builds, 1.0) for _ in range(2)]
@@ -191,6 +192,7 @@ def test_two_processes_build_one_entry(tmp_path):
     assert entries(cache) == [entry.name]
 
 
+@pytest.mark.slow
 def test_a_killed_build_leaves_nothing_usable_and_is_cleared(tmp_path):
     cache, builds = tmp_path / "cache", tmp_path / "builds.txt"
     process = run_script(cache, builds, 60.0)

@@ -13,13 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from isolation import quick_compile_env
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def report_run(*args: str) -> subprocess.CompletedProcess:
-    """`python bench/device_report.py ARGS` from the repository root, with this session's XLA_FLAGS."""
+    """`python bench/device_report.py ARGS` from the repository root, with this session's XLA_FLAGS (compiling
+    quickly: the figures' values are not under test)."""
     return subprocess.run([sys.executable, "bench/device_report.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env=os.environ.copy(), check=False)
+                          timeout=600, env=quick_compile_env(), check=False)
 
 
 def simulated_devices() -> int:
@@ -219,6 +222,7 @@ def accelerator_plan(device_report, tmp_path, bytes_limit: float, devices: int, 
 
 
 @pytest.mark.parametrize("bytes_limit, devices", [(64e9, 1), (182e9, 8)])
+@pytest.mark.slow
 def test_an_accelerator_trains_the_8b_widths_sized_to_its_memory(device_report, tmp_path, bytes_limit, devices):
     """What runs first on a GPU node: the sizing from memory_stats()["bytes_limit"] (an H100 at JAX's default
     memory fraction; 8 MI300X at 0.95) and --plan's check of the shape it chose, from abstract shapes."""
@@ -231,6 +235,7 @@ def test_an_accelerator_trains_the_8b_widths_sized_to_its_memory(device_report, 
 
 
 @pytest.mark.parametrize("attention", ["xla", "blockwise"])
+@pytest.mark.slow
 def test_the_step_and_its_plan_take_the_attention_option(device_report, tmp_path, attention):
     """--attention reaches the planned run's config, which both --plan and the measured step are built from."""
     args = device_report.build_parser().parse_args(["--attention", attention, "--layers", "1", "--batch", "1"])
@@ -269,6 +274,7 @@ def test_a_shape_whose_plan_does_not_fit_halves_its_rows_then_its_layers(device_
         accelerator_plan(device_report, tmp_path, bytes_limit, devices, "--batch", "64")
 
 
+@pytest.mark.slow
 def test_a_train_step_out_of_device_memory_is_one_line(device_report, monkeypatch, capsys):
     """Options that ask for more than the device holds (dense attention at a length --plan says does not fit,
     say) end in one line naming the plan and what to shrink, not the backend's traceback."""

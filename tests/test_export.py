@@ -200,6 +200,7 @@ def test_export_peft_cli_from_a_run(tmp_path, run_dir, tiny_checkpoint, tiny_con
     (lambda run, tmp: ["--run", str(run), "--step", "3"], "no checkpoint for step 3 (have: 2, 4)"),
     (lambda run, tmp: ["--run", str(tmp)], "not a finetune-lora run directory"),
 ])
+@pytest.mark.slow
 def test_export_peft_bad_input(tmp_path, run_dir, capsys, make_args, message):
     code = export_main(make_args(run_dir, tmp_path) + ["--out", str(tmp_path / "adapter")])
     err = capsys.readouterr().err.strip().splitlines()
@@ -207,6 +208,7 @@ def test_export_peft_bad_input(tmp_path, run_dir, capsys, make_args, message):
     assert not (tmp_path / "adapter").exists()
 
 
+@pytest.mark.slow
 def test_run_without_checkpoints_is_a_clear_error(tmp_path, run_dir, capsys):
     import shutil
 
@@ -217,6 +219,7 @@ def test_run_without_checkpoints_is_a_clear_error(tmp_path, run_dir, capsys):
     assert "no LoRA checkpoints" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_run_config_with_unknown_options_is_one_line(tmp_path, run_dir, capsys):
     import shutil
 
@@ -269,6 +272,7 @@ def test_merged_checkpoint_loads_in_transformers_with_the_lora_logits(tmp_path, 
     assert np.abs(ours - theirs).max() <= tolerance(theirs, 1e-4)
 
 
+@pytest.mark.slow
 def test_bad_shard_size(tmp_path, run_dir, capsys):
     assert export_main(["--run", str(run_dir), "--merge", str(tmp_path / "m"), "--max-shard-size", "lots"]) == 2
     assert "--max-shard-size 'lots': expected a size" in capsys.readouterr().err

@@ -78,6 +78,7 @@ def test_adapter_is_the_one_an_unquantized_base_gives_and_its_card_names_the_qua
         [line for line in plain_card.splitlines() if "quantization" not in line]
 
 
+@pytest.mark.slow
 def test_merge_without_unquantized_weights_is_one_line_and_writes_nothing(tmp_path, nf4_run, converted, capsys):
     code = export_main(["--run", str(nf4_run), "--out", str(tmp_path / "adapter"), "--merge", str(tmp_path / "m")])
     assert code == 2
@@ -88,6 +89,7 @@ def test_merge_without_unquantized_weights_is_one_line_and_writes_nothing(tmp_pa
     assert not (tmp_path / "adapter").exists() and not (tmp_path / "m").exists()
 
 
+@pytest.mark.slow
 def test_merge_into_a_bf16_converted_base_equals_the_plain_merge_byte_for_byte(tmp_path, nf4_run, converted):
     assert export_main(["--run", str(nf4_run), "--merge", str(tmp_path / "merged"), "--merge-base",
                         str(converted / "bf16"), "--max-shard-size", "100KB"]) == 0
@@ -102,6 +104,7 @@ def test_merge_into_a_bf16_converted_base_equals_the_plain_merge_byte_for_byte(t
         assert torch.isfinite(model(torch.tensor(IDS)).logits).all()
 
 
+@pytest.mark.slow
 def test_merge_into_the_hf_checkpoint_equals_the_merge_into_its_conversion(tmp_path, nf4_run, tiny_checkpoint,
                                                                           tiny_converted, capsys, monkeypatch):
     """The HF checkpoint (float32, sharded) read directly, in chunks of 4 KB, gives the same files as the merge
@@ -117,6 +120,7 @@ def test_merge_into_the_hf_checkpoint_equals_the_merge_into_its_conversion(tmp_p
     assert merged_files(tmp_path / "merged") == merged_files(tmp_path / "plain")
 
 
+@pytest.mark.slow
 def test_merge_base_of_another_model_or_quantized_is_one_line(tmp_path, nf4_run, converted, capsys):
     other = build_tiny_model(tmp_path / "other", {"hidden_size": 32, "head_dim": 8}, tokenizer=False)
     capsys.readouterr()

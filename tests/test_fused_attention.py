@@ -348,6 +348,7 @@ def test_every_process_takes_the_same_attention(monkeypatch, others, impl):
         assert choice.why == "attention: blockwise (the processes' checks differed: ['cudnn', 'pallas-triton'])"
 
 
+@pytest.mark.slow
 def test_two_processes_whose_checks_differ_both_take_the_portable_path(tmp_path):  # xla at 256 positions
     """Two real processes joined over loopback: process 1's check refuses the Pallas kernel that process 0's
     takes; both take the portable path, and say why."""

@@ -42,6 +42,7 @@ def _faults_per_call(environ: dict[str, str]) -> float:
     return float(out.stdout.split()[-1])
 
 
+@pytest.mark.slow
 def test_huge_pages_cut_the_per_call_page_faults():
     plain = _plain_environment()
     huge = host_memory.hugepage_environment(plain)
@@ -54,6 +55,7 @@ def test_huge_pages_cut_the_per_call_page_faults():
     assert _faults_per_call(huge) < plain_faults / 10
 
 
+@pytest.mark.slow
 def test_the_restart_adds_the_tunable_once():
     """A real exec: the command comes back with the tunable set, and does not execute itself a second time."""
     plain = _plain_environment()

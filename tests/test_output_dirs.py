@@ -258,6 +258,7 @@ def test_export_refuses_to_replace_what_it_must_not(ws, capsys, no_work, case, o
     assert tree(ws.root) == before
 
 
+@pytest.mark.slow
 def test_export_refuses_its_own_kind_without_overwrite(ws, capsys, no_work):
     adapter = fake_adapter(ws.root / "adapter")
     before = tree(ws.root)
@@ -270,6 +271,7 @@ def test_export_refuses_its_own_kind_without_overwrite(ws, capsys, no_work):
     assert tree(ws.root) == before
 
 
+@pytest.mark.slow
 def test_export_replaces_its_own_outputs_with_overwrite(ws, capsys):
     adapter, merged = ws.root / "adapter", ws.root / "merged"
     assert export_main(["--run", str(ws.run), "--step", "1", "--out", str(adapter), "--merge", str(merged)]) == 0
@@ -288,6 +290,7 @@ def test_export_replaces_its_own_outputs_with_overwrite(ws, capsys):
     assert sorted(p.name for p in ws.root.iterdir()) == ["adapter", "base", "hf", "merged", "run"]
 
 
+@pytest.mark.slow
 def test_the_python_api_checks_too(ws, no_work):
     from export import export_adapter, export_merged
     from jaxmodel.formats.output_dir import OutputDirError
@@ -300,6 +303,7 @@ def test_the_python_api_checks_too(ws, no_work):
     assert tree(ws.root) == before
 
 
+@pytest.mark.slow
 def test_export_checks_the_outputs_before_reading_the_run(ws, capsys):
     """A run whose checkpoints are gone: the bad --out is reported, not the checkpoints."""
     shutil.rmtree(ws.run / "checkpoints")
@@ -372,6 +376,7 @@ CONVERT_REFUSALS = [_convert_out_is_src, _convert_out_is_src_through_symlink, _c
 
 @pytest.mark.parametrize("overwrite", [False, True], ids=["plain", "overwrite"])
 @pytest.mark.parametrize("case", CONVERT_REFUSALS, ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.slow
 def test_convert_refuses_to_replace_what_it_must_not(ws, capsys, no_work, case, overwrite):
     src, out, message = case(ws, overwrite)
     before = tree(ws.root)
@@ -381,6 +386,7 @@ def test_convert_refuses_to_replace_what_it_must_not(ws, capsys, no_work, case, 
     assert tree(ws.root) == before
 
 
+@pytest.mark.slow
 def test_convert_replaces_a_converted_checkpoint_only_with_overwrite(ws, capsys):
     manifest = ws.base / "jax_checkpoint.json"
     before = tree(ws.root)
@@ -413,6 +419,7 @@ def live_pid():
     process.wait()
 
 
+@pytest.mark.slow
 def test_convert_removes_temporaries_of_dead_writers_only(ws, capsys, live_pid):
     out = ws.root / "out"
     dead = _dead_pid()
@@ -427,6 +434,7 @@ def test_convert_removes_temporaries_of_dead_writers_only(ws, capsys, live_pid):
         sorted([f".out.converting-{live_pid}", f".other.converting-{dead}", f".out.b.converting-{dead}"])
 
 
+@pytest.mark.slow
 def test_a_writer_killed_while_replacing_loses_nothing(ws, capsys):
     """Killed between moving the old output aside and renaming the new one in: the next run puts the old
     one back (and so refuses to replace it without --overwrite)."""

@@ -130,6 +130,7 @@ def test_plan_compiles_the_preference_step(tmp_path, objective, reference):
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.slow
 def test_a_dpo_step_gathers_the_frozen_head_weight_once_for_the_policy_and_the_reference(tmp_path, remat):
     """Split over fsdp=8, the head weight is all-gathered whole once a step: the policy's and the reference's frozen
     head losses (and a recomputation under remat) share that gather rather than each gathering it in its chunks

