@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from conftest import stderr_lines
+from isolation import quick_compile_env
 from finetune.cli import main
 from finetune.config import TrainConfig
 from finetune.data.order import row_indices
@@ -406,7 +407,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, tiny_converted, 
     cmd = [sys.executable, "-m", "finetune.cli", "--model", str(tiny_converted), "--data", str(data_file), "--out",
            str(out), "--steps", "100000", "--batch-size", "8", "--seq-len", "32", "--dtype", "float32",
            "--no-progress", "--checkpoint-every", "100000"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=quick_compile_env())
     deadline = time.time() + 240
     while time.time() < deadline and not ((out / "metrics.jsonl").exists() and
                                           len((out / "metrics.jsonl").read_text().splitlines()) >= 3):

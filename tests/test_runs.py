@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 from conftest import stderr_lines
-from isolation import QUICK_COMPILE_FLAGS
+from isolation import QUICK_COMPILE_FLAGS, quick_compile_env
 from export.cli import main as export_main
 from finetune.cli import main
 from finetune.config import TrainConfig
@@ -333,7 +333,7 @@ def test_a_second_process_is_refused_while_a_run_holds_the_directory(tmp_path, t
     out = tmp_path / "run"
     args = cli_args(tiny_converted, data_file, out, steps="100000", checkpoint_every="1")
     holder = subprocess.Popen([sys.executable, "-m", "finetune.cli", *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+                              stderr=subprocess.PIPE, text=True, env=quick_compile_env())
     try:
         deadline = time.time() + 240
         while time.time() < deadline and holder.poll() is None and not (
@@ -732,7 +732,7 @@ def test_a_failed_save_stops_the_run_at_once(steps, failing, tmp_path, tiny_conv
     out = tmp_path / "run"
     result = subprocess.run([sys.executable, "-c", FAIL_SAVE, str(failing),
                              *cli_args(tiny_converted, data_file, out, steps=str(steps))],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, env=quick_compile_env())
     assert result.returncode == 1, result.stderr[-3000:]
     [line] = stderr_lines(result.stderr)
     match = re.fullmatch(rf"finetune-lora: error: saving the checkpoint of step 4 failed: no space left on device at "
@@ -751,7 +751,7 @@ def test_a_failed_save_stops_the_run_at_once(steps, failing, tmp_path, tiny_conv
     if steps > 4:  # with space again, the run resumes from the kept checkpoint; each step logged once
         assert subprocess.run([sys.executable, "-m", "finetune.cli", "--resume",
                                *cli_args(tiny_converted, data_file, out, steps=str(steps))],
-                              capture_output=True, timeout=300).returncode == 0
+                              capture_output=True, timeout=300, env=quick_compile_env()).returncode == 0
         assert [r["step"] for r in metrics(out)] == list(range(1, steps + 1))
         assert load_run(out)[2] == steps
         assert not list((out / "checkpoints").glob("*tmp*"))
@@ -805,7 +805,7 @@ def test_tensorboard_failing_at_close_gives_one_line_and_hides_no_other_error(fa
     out = tmp_path / "run"
     result = subprocess.run([sys.executable, "-c", FAIL_SAVE_AND_TENSORBOARD, failing,
                              *cli_args(tiny_converted, data_file, out, steps="4")],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, env=quick_compile_env())
     assert result.returncode == 1, result.stderr[-3000:]
     lines = stderr_lines(result.stderr)
     assert len(lines) == 1, result.stderr[-3000:]
@@ -837,7 +837,7 @@ def test_a_full_disk_stops_the_run_with_one_line(small_tmpfs, tiny_converted, da
     out = small_tmpfs / "run"
     result = subprocess.run([sys.executable, "-m", "finetune.cli", *cli_args(
         tiny_converted, data_file, out, steps="200", checkpoint_every="1", keep_checkpoints="1000")],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=300, env=quick_compile_env())
     assert result.returncode == 1, result.stderr[-3000:]
     lines = stderr_lines(result.stderr)
     assert len(lines) == 1, result.stderr[-3000:]
