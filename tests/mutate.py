@@ -173,6 +173,8 @@ def failed_ids(output: str) -> list[str]:
 SENTINEL_TEST = '''
 import importlib, os, subprocess, sys
 
+import pytest
+
 PACKAGES = {packages!r}
 
 
@@ -183,6 +185,7 @@ def test_the_copy_and_its_mutation_are_imported():
         assert getattr(module, "MUTATION_SENTINEL", None) == {token!r}, name
 
 
+@pytest.mark.slow
 def test_subprocesses_import_the_copy_too():
     code = "import importlib; print([getattr(importlib.import_module(n), 'MUTATION_SENTINEL', None) for n in %r])"
     out = subprocess.run([sys.executable, "-c", code % (PACKAGES,)], capture_output=True, text=True, cwd="/",
