@@ -1,6 +1,7 @@
 """The pipeline on real pretrained checkpoints (SmolLM2-135M-Instruct, a Llama; Gemma 3 270M; tests/pretrained.py):
-the converted model equals transformers on it, and a short LoRA run, exported, changes its greedy chat answers
-as PEFT's Auto class serves them."""
+each converted model equals transformers on it, and on SmolLM2 a short LoRA run, exported, changes its greedy chat
+answers as PEFT's Auto class serves them (one real pipeline run: Gemma 3's own export paths are the tiny-checkpoint
+tests')."""
 
 import json
 import subprocess
