@@ -81,8 +81,8 @@ def pytest_configure(config):
 
 
 # The fast tier (`tox -e fast`: tests marked neither slow nor e2e) stays fast by what its tests do, not by a timer: a
-# test of it that starts a Python process or compiles a train step (its fixtures included) fails, naming what it did. `_FAST_TIER["test"]` is the
-# fast-tier test being run (its fixtures' setup included), `found` what it did that the tier does not allow.
+# test of it that starts a Python process or compiles a train step (in its fixtures too) fails, naming what it did.
+# `_FAST_TIER["test"]` is the fast-tier test being run, `found` what it did that the tier does not allow.
 _FAST_TIER = {"test": None, "found": []}
 _execute_child = subprocess.Popen._execute_child
 
@@ -97,12 +97,14 @@ def _execute_child_noted(self, args, *rest, **kwargs):
 subprocess.Popen._execute_child = _execute_child_noted
 
 
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"  # jax._src.dispatch.JAXPR_TRACE_EVENT
+
+
 def _on_trace(event: str, duration: float, fun_name: str = "", **_) -> None:
     if _FAST_TIER["test"] is not None and event == TRACE_EVENT and fun_name == "train_step":
         _FAST_TIER["found"].append("compiled a train step")
 
 
-TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 jax.monitoring.register_event_duration_secs_listener(_on_trace)
 
 
