@@ -17,34 +17,34 @@ COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/j
                   "/jax/core/compile/backend_compile_duration")
 
 
+# The names the records give each event's seconds.
+PARTS = dict(zip(COMPILE_EVENTS, ("trace_s", "lower_s", "backend_s")))
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 class Recorder:
     def __init__(self, directory: str):
         self.path = os.path.join(directory, f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{os.getpid()}.jsonl")
-        self.compile_s = 0.0
-        self.by_event = dict.fromkeys(COMPILE_EVENTS, 0.0)
+        self.seconds = dict.fromkeys(PARTS.values(), 0.0)  # this process's compile events so far, by part
         import jax.monitoring
 
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
 
     def _on_duration(self, event: str, duration: float, **_) -> None:
-        if event in COMPILE_EVENTS:
-            self.compile_s += duration
-            self.by_event[event] += duration
+        if event in PARTS:
+            self.seconds[PARTS[event]] += duration
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
-        compile_before, start = self.compile_s, time.perf_counter()
-        events_before = dict(self.by_event)
-        children = resource.getrusage(resource.RUSAGE_CHILDREN)
-        children_before = children.ru_utime + children.ru_stime
+        before, start, children_before = dict(self.seconds), time.perf_counter(), _children_cpu_s()
         yield
-        children = resource.getrusage(resource.RUSAGE_CHILDREN)
-        record = {"test": item.nodeid, "wall_s": time.perf_counter() - start,
-                  "compile_s": self.compile_s - compile_before,
-                  "trace_s": self.by_event[COMPILE_EVENTS[0]] - events_before[COMPILE_EVENTS[0]],
-                  "lower_s": self.by_event[COMPILE_EVENTS[1]] - events_before[COMPILE_EVENTS[1]],
-                  "backend_s": self.by_event[COMPILE_EVENTS[2]] - events_before[COMPILE_EVENTS[2]],
-                  "children_cpu_s": children.ru_utime + children.ru_stime - children_before}
+        parts = {name: self.seconds[name] - before[name] for name in self.seconds}
+        record = {"test": item.nodeid, "wall_s": time.perf_counter() - start, "compile_s": sum(parts.values()),
+                  **parts, "children_cpu_s": _children_cpu_s() - children_before}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
