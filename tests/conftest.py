@@ -203,6 +203,26 @@ def gemma3_converted(gemma3_checkpoint):
     return built_once("jax-gemma3", _convert(gemma3_checkpoint))
 
 
+@pytest.fixture(scope="session")
+def two_process_grads(tiny_converted):
+    """The directory of tests/multihost_worker.py's results: <case>.npz for each of its CASES, and the data files
+    they were computed on (each the same bytes as its test module's data file), from one pair of processes a
+    session."""
+    from isolation import run_multihost_worker
+    from test_context_parallel import write_packed_data
+    from test_finetune import addition_rows
+    from test_preference_training import addition_pairs
+
+    def build(out):
+        out.mkdir()
+        (out / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in addition_rows()))
+        write_packed_data(out / "packed.jsonl")
+        (out / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in addition_pairs()))
+        run_multihost_worker(tiny_converted, out)
+
+    return built_once("two-process-grads", build)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tiny_converted):
     """The tiny checkpoint's tokenizer."""

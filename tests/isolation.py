@@ -35,10 +35,10 @@ def run_without(modules: tuple[str, ...], code: str) -> subprocess.CompletedProc
     return subprocess.run([sys.executable, "-c", blocker + code], capture_output=True, text=True, timeout=300)
 
 
-def run_multihost_worker(model, data, out, *extra: str, processes: int = 2) -> None:
-    """Run tests/multihost_worker.py as `processes` processes joined over loopback (each with its own
-    simulated devices, so without the suite's XLA_FLAGS); fails with a process's stderr if one fails."""
-    run_processes("multihost_worker.py", [str(model), str(data), str(out)], list(extra), processes)
+def run_multihost_worker(model, out) -> None:
+    """Run tests/multihost_worker.py as 2 processes joined over loopback (each with its own simulated devices, so
+    without the suite's XLA_FLAGS), on the data files in `out`; fails with a process's stderr if one fails."""
+    run_processes("multihost_worker.py", [str(model), str(out)], [])
 
 
 def run_processes(worker: str, before: list[str], after: list[str], processes: int = 2) -> None:

@@ -1,6 +1,7 @@
-"""One process of the 2-process tests (test_finetune.py; test_preference_paths.py with `dpo`,
-test_preference_precomputed.py with `dpo-precomputed`): loss and LoRA
-gradients of the first global batch, computed across processes over loopback (gloo), written by process 0."""
+"""One process of the pair behind the 2-process tests (tests/conftest.py's `two_process_grads`): for each case of
+CASES, the loss and LoRA gradients of the first global batch computed across the 2 processes over loopback (gloo),
+written by process 0 to OUT/<case>.npz. One pair serves every case, so that starting and joining the processes is
+paid once."""
 
 import os
 import sys
@@ -22,17 +23,26 @@ from finetune.train.build import setup  # noqa: E402
 from finetune.train.batches import pair_batch  # noqa: E402
 from finetune.train.loop import global_batch  # noqa: E402
 
+# case: (its data file in OUT, the mesh, the objective); the tests that read each case name its data file's maker
+CASES = {
+    "sft": ("sft.jsonl", "dp=2,fsdp=4,mp=1", "sft"),  # test_finetune.py
+    "cp": ("packed.jsonl", "dp=1,fsdp=2,cp=4,mp=1", "sft"),  # test_context_parallel.py
+    "dpo": ("pairs.jsonl", "dp=2,fsdp=4,mp=1", "dpo"),  # test_preference_paths.py: the reference in the step,
+    "dpo-precomputed": ("pairs.jsonl", "dp=2,fsdp=4,mp=1", "dpo-precomputed"),  # or computed before the steps
+}
 
-def main(model, data, out, port, process_id, mesh="dp=2,fsdp=4,mp=1", objective="sft"):
+
+def case(model, out, port, process_id, name):
+    data, mesh, objective = CASES[name]
     # a preference run as tests/test_preference_training.py's `config` makes it
     preference = {}
     if objective.startswith("dpo"):
         preference = {"objective": "dpo", "targets": "q_proj,v_proj", "remat": "none",
                       "precompute_reference": objective == "dpo-precomputed"}
-    config = TrainConfig(model=model, data=data, out=out, mesh=mesh, steps=1, batch_size=8, seq_len=32,
-                         dtype="float32", progress=False, coordinator=f"127.0.0.1:{port}", num_processes=2,
-                         process_id=int(process_id), **preference).validate()
-    run = setup(config)
+    config = TrainConfig(model=model, data=os.path.join(out, data), out=os.path.join(out, name), mesh=mesh, steps=1,
+                         batch_size=8, seq_len=32, dtype="float32", progress=False, coordinator=f"127.0.0.1:{port}",
+                         num_processes=2, process_id=int(process_id), **preference).validate()
+    run = setup(config)  # joins the other process at the first case
     assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
     lora = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), run.state.lora)
     with jax.set_mesh(run.mesh):
@@ -56,8 +66,13 @@ def main(model, data, out, port, process_id, mesh="dp=2,fsdp=4,mp=1", objective=
 
         flat = {".".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(gathered[2])}
         counted = "pairs" if config.preference else "tokens"
-        np.savez(os.path.join(out, "grads.npz"), loss=np.asarray(gathered[0]), **{counted: np.asarray(gathered[1])},
-                 **flat)
+        np.savez(os.path.join(out, f"{name}.npz"), loss=np.asarray(gathered[0]),
+                 **{counted: np.asarray(gathered[1])}, **flat)
+
+
+def main(model, out, port, process_id):
+    for name in CASES:
+        case(model, out, port, process_id, name)
     jax.distributed.shutdown()
 
 

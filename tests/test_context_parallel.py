@@ -9,7 +9,6 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from isolation import run_multihost_worker
 
 from finetune.cli import main
 from finetune.config import TrainConfig
@@ -98,9 +97,9 @@ def test_weights_stay_sharded_over_every_device_with_cp(tmp_path, tiny_converted
 
 
 @pytest.mark.e2e
-def test_two_processes_with_cp_match_one_device(tmp_path, tiny_converted, data_file, reference):
-    run_multihost_worker(tiny_converted, data_file, tmp_path, "dp=1,fsdp=2,cp=4,mp=1")
-    got = np.load(tmp_path / "grads.npz")
+def test_two_processes_with_cp_match_one_device(two_process_grads, data_file, reference):
+    assert (two_process_grads / "packed.jsonl").read_bytes() == data_file.read_bytes()
+    got = np.load(two_process_grads / "cp.npz")
     assert_same((float(got["loss"]), float(got["tokens"]), {k: got[k] for k in got.files if "." in k}), reference)
 
 

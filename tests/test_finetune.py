@@ -496,11 +496,9 @@ def test_help_documents_every_option_and_default(capsys):
 
 
 @pytest.mark.e2e
-def test_two_processes_over_loopback_match_one_device(tmp_path, tiny_converted, data_file, reference_grads):
-    from isolation import run_multihost_worker
-
-    run_multihost_worker(tiny_converted, data_file, tmp_path)
-    got = np.load(tmp_path / "grads.npz")
+def test_two_processes_over_loopback_match_one_device(two_process_grads, data_file, reference_grads):
+    assert (two_process_grads / "sft.jsonl").read_bytes() == data_file.read_bytes()
+    got = np.load(two_process_grads / "sft.npz")
     ref_loss, ref_tokens, ref_grads = reference_grads
     assert float(got["tokens"]) == ref_tokens and abs(float(got["loss"]) - ref_loss) <= 1e-5
     for name, g in ref_grads.items():

@@ -84,13 +84,12 @@ def test_dpo_on_a_quantized_base_starts_at_ln2_and_learns(tmp_path, nf4_converte
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("objective", ["dpo", "dpo-precomputed"])  # the reference in the step, or computed before
-def test_two_processes_give_the_one_device_loss_and_gradients(tmp_path, tiny_converted, pairs_file, objective):
-    from isolation import run_multihost_worker
-
+def test_two_processes_give_the_one_device_loss_and_gradients(tmp_path, tiny_converted, pairs_file, two_process_grads,
+                                                             objective):
+    assert (two_process_grads / "pairs.jsonl").read_bytes() == pairs_file.read_bytes()
     loss, metrics, grads, _ = step_on(tiny_converted, pairs_file, tmp_path / "one", "dp=1,fsdp=1,mp=1",
                                       jax.devices()[:1], pack=True)
-    run_multihost_worker(tiny_converted, pairs_file, tmp_path, "dp=2,fsdp=4,mp=1", objective)
-    got = np.load(tmp_path / "grads.npz")
+    got = np.load(two_process_grads / f"{objective}.npz")
     assert float(got["pairs"]) == metrics["pairs"] and float(got["loss"]) == pytest.approx(loss, rel=1e-5)
     for name, g in grads.items():
         assert np.linalg.norm(got[name] - g) <= 1e-5 * np.linalg.norm(g), name
