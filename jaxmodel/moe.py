@@ -1,0 +1,140 @@
+"""Mixture-of-experts parts: the router's choice of experts, and the routed rows grouped by expert so that each
+expert's weights multiply only the rows sent to it.
+
+Dropless: every token reaches each of its `k` experts (no capacity, nothing dropped), as transformers, PEFT and
+vLLM compute these models; a run then trains the model it serves. A layer's `t` tokens make `a = t * k` routed rows,
+sorted by expert (`group_rows`); a grouped matmul multiplies each expert's rows by that expert's weight
+(`grouped_matmul`), in one of three ways:
+
+- "blocks" (the default, any backend): each expert's rows padded to whole blocks of `block` rows, and a loop over
+  the blocks, each multiplied by its one expert's weight. The work is the routed rows plus at most `block - 1` rows
+  of padding an expert, whatever the backend; the padded length has a static bound, `a + min(e, a) * (block - 1)`.
+- "ragged": `jax.lax.ragged_dot`, for the backends that lower it to a grouped GEMM. XLA:CPU lowers it to a masked
+  dot over every expert, `e` times the work.
+- "dense": every row through every expert, the others' products masked: the reference the tests compare with.
+
+Shapes: t tokens, d hidden, e experts, k experts a token, a = t * k routed rows, f an expert's intermediate size,
+o and i a weight's output and input sizes (torch's `[out, in]` layout, as `jaxmodel.layers.Linear`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GROUPED_MATMULS = ("blocks", "ragged", "dense")
+
+
+def route(logits_te: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """Each token's `top_k` experts and their weights from the router's logits: a softmax over all experts in
+    float32, the `top_k` largest, renormalised to sum to 1 when `normalize` (Qwen3-MoE's `norm_topk_prob`; Mixtral
+    always). Returns float32 weights `[t, k]` and int32 experts `[t, k]`, largest weight first."""
+    probs_te = jax.nn.softmax(logits_te.astype(jnp.float32), axis=-1)
+    weights_tk, experts_tk = jax.lax.top_k(probs_te, top_k)
+    if normalize:
+        weights_tk = weights_tk / jnp.sum(weights_tk, axis=-1, keepdims=True)
+    return weights_tk, experts_tk.astype(jnp.int32)
+
+
+class GroupedRows(NamedTuple):
+    """The routed rows of a layer's tokens sorted by expert: row `j` of the sorted order is token
+    `token_a[j]`'s route to expert `expert_a[j]`, which `order[j]` numbers in the `[t, k]` routes flattened."""
+
+    order: jax.Array  # [a] int32: flattened route (token * k + slot) of each sorted row
+    token_a: jax.Array  # [a] int32
+    expert_a: jax.Array  # [a] int32, non-decreasing
+    group_sizes: jax.Array  # [e] int32: rows of each expert
+
+
+def group_rows(experts_tk: jax.Array, num_experts: int) -> GroupedRows:
+    """The routes of `experts_tk` sorted by expert (stable: a token's rows keep the token order within an expert)."""
+    t, k = experts_tk.shape
+    flat_a = experts_tk.reshape(-1)
+    order = jnp.argsort(flat_a, stable=True).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat_a, length=num_experts).astype(jnp.int32)
+    return GroupedRows(order, order // k, flat_a[order], group_sizes)
+
+
+def grouped_matmul(x_ai: jax.Array, w_eoi: jax.Array, rows: GroupedRows, impl: str = "blocks",
+                   block: int = 64) -> jax.Array:
+    """`x_ai[j] @ w_eoi[expert of row j].T` for the sorted rows `x_ai`, accumulated and returned in float32."""
+    if impl == "ragged":
+        return jax.lax.ragged_dot(x_ai, jnp.swapaxes(w_eoi, 1, 2), rows.group_sizes,
+                                  preferred_element_type=jnp.float32)
+    if impl == "dense":
+        y_aeo = jnp.einsum("ai,eoi->aeo", x_ai, w_eoi, preferred_element_type=jnp.float32)
+        return jnp.take_along_axis(y_aeo, rows.expert_a[:, None, None], axis=1)[:, 0]
+    if impl != "blocks":
+        raise ValueError(f"grouped matmul must be one of {GROUPED_MATMULS}, got {impl!r}")
+    positions, block_expert = _block_layout(rows, block)
+    a, i = x_ai.shape
+    n = block_expert.shape[0]
+    x_nbi = jnp.zeros((n * block, i), x_ai.dtype).at[positions].set(x_ai).reshape(n, block, i)
+
+    def one_block(xs):
+        x_bi, expert = xs
+        w_oi = jax.lax.dynamic_index_in_dim(w_eoi, expert, axis=0, keepdims=False)
+        return jnp.einsum("bi,oi->bo", x_bi, w_oi, preferred_element_type=jnp.float32)
+
+    y_nbo = jax.lax.map(one_block, (x_nbi, block_expert))
+    return y_nbo.reshape(n * block, -1)[positions]
+
+
+def padded_rows(routed: int, num_experts: int, block: int) -> int:
+    """The static length of the "blocks" layout: `routed` rows, each expert's padded to whole blocks."""
+    return -(-(routed + min(num_experts, routed) * (block - 1)) // block) * block
+
+
+def _block_layout(rows: GroupedRows, block: int) -> tuple[jax.Array, jax.Array]:
+    """Where each sorted row goes in the padded layout `[a]`, and the expert of each block `[n]` (blocks past the
+    last expert's hold only zeros and take the last expert)."""
+    a, e = rows.expert_a.shape[0], rows.group_sizes.shape[0]
+    padded_e = -(-rows.group_sizes // block) * block
+    start_e = jnp.cumsum(rows.group_sizes) - rows.group_sizes
+    padded_start_e = jnp.cumsum(padded_e) - padded_e
+    rank_a = jnp.arange(a, dtype=jnp.int32) - start_e[rows.expert_a]
+    positions = padded_start_e[rows.expert_a] + rank_a
+    n = padded_rows(a, e, block) // block
+    block_start = jnp.arange(n, dtype=jnp.int32) * block
+    block_expert = jnp.searchsorted(jnp.cumsum(padded_e), block_start, side="right")
+    return positions, jnp.minimum(block_expert, e - 1).astype(jnp.int32)
+
+
+def combine(y_ad: jax.Array, rows: GroupedRows, weights_tk: jax.Array) -> jax.Array:
+    """Each token's output `[t, d]`: its routed rows' outputs `y_ad` (sorted) weighted by the router and summed over
+    its `k` experts, in float32."""
+    t, k = weights_tk.shape
+    y_tkd = jnp.zeros_like(y_ad, jnp.float32).at[rows.order].set(y_ad.astype(jnp.float32)).reshape(t, k, -1)
+    return jnp.einsum("tkd,tk->td", y_tkd, weights_tk.astype(jnp.float32))
+
+
+def routed_experts(x_td: jax.Array, weights_tk: jax.Array, experts_tk: jax.Array, gate_up_efd: jax.Array,
+                   down_edf: jax.Array, activation: str = "silu", impl: str = "blocks", block: int = 64) -> jax.Array:
+    """The experts' gated MLPs on the routed rows, weighted and summed per token: float32 `[t, d]`. `gate_up_efd`
+    is transformers 5's fused `[e, 2f, d]` (the gate's rows first), `down_edf` `[e, d, f]`; products in the
+    weights' dtype are accumulated in float32 and rounded to it (as `jaxmodel.layers.Linear`)."""
+    from jaxmodel.layers import swiglu
+
+    rows = group_rows(experts_tk, gate_up_efd.shape[0])
+    dtype = gate_up_efd.dtype
+    x_ad = x_td.astype(dtype)[rows.token_a]
+    h_a2f = grouped_matmul(x_ad, gate_up_efd, rows, impl, block).astype(dtype)
+    f = down_edf.shape[2]
+    y_ad = grouped_matmul(swiglu(h_a2f[:, :f], h_a2f[:, f:], activation), down_edf, rows, impl, block)
+    return combine(y_ad.astype(dtype), rows, weights_tk)
+
+
+def reference_experts(x_td: np.ndarray, weights_tk: np.ndarray, experts_tk: np.ndarray, gate_up_efd: np.ndarray,
+                      down_edf: np.ndarray, activation=lambda g: g / (1 + np.exp(-g))) -> np.ndarray:
+    """numpy, float64, one token at a time: `sum_k weight * down_e(act(gate_e(x)) * up_e(x))`, the fused `gate_up`
+    `[e, 2f, d]` holding the gate's rows first (transformers 5's layout)."""
+    f = down_edf.shape[2]
+    out = np.zeros(x_td.shape, np.float64)
+    for token, (ws, es) in enumerate(zip(weights_tk, experts_tk)):
+        for w, e in zip(ws, es):
+            h = gate_up_efd[e].astype(np.float64) @ x_td[token].astype(np.float64)
+            out[token] += w * (down_edf[e].astype(np.float64) @ (activation(h[:f]) * h[f:]))
+    return out

@@ -1,0 +1,154 @@
+"""Mixture-of-experts parts (jaxmodel/moe.py): the router's choice as transformers makes it, the grouped matmuls
+each row times its own expert's weight, the experts' MLPs equal to transformers' sparse blocks (Qwen3-MoE,
+Mixtral) and to a float64 computation, the "blocks" path's gradients the dense reference's, and its work the
+routed rows, not every expert's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxmodel.moe import (GROUPED_MATMULS, combine, group_rows, grouped_matmul, padded_rows, reference_experts,
+                          route, routed_experts)
+
+
+def _routing(rng, t, e, k):
+    """`k` distinct experts of `e` for each of `t` tokens, and weights summing to 1."""
+    experts = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+    weights = rng.random((t, k)).astype(np.float32) + 0.1
+    return weights / weights.sum(-1, keepdims=True), experts
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_route_is_transformers_router(normalize):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    config = Qwen3MoeConfig(hidden_size=16, num_experts=6, num_experts_per_tok=3, norm_topk_prob=normalize)
+    router = Qwen3MoeTopKRouter(config)
+    torch.nn.init.normal_(router.weight, std=1.0)
+    x = torch.randn(20, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, expected_weights, expected_experts = router(x)
+    weights, experts = route(jnp.asarray(logits.numpy()), 3, normalize)
+    np.testing.assert_array_equal(np.asarray(experts), expected_experts.numpy())
+    np.testing.assert_allclose(np.asarray(weights), expected_weights.numpy(), rtol=1e-6)
+    assert np.allclose(np.asarray(weights).sum(-1), 1.0) == normalize
+
+
+@settings(max_examples=12, deadline=None)
+@given(t=st.integers(1, 12), e=st.integers(1, 9), k=st.integers(1, 4), block=st.sampled_from([1, 3, 8]),
+       one_expert=st.booleans(), seed=st.integers(0, 2**16))
+def test_each_grouped_matmul_is_each_row_times_its_experts_weight(t, e, k, block, one_expert, seed):
+    """Every way, routings with experts left empty and with all rows on one expert (the most padding a block)."""
+    rng = np.random.default_rng(seed)
+    k = min(k, e)
+    _, experts = _routing(rng, t, e, k)
+    if one_expert:
+        experts[:, 0] = e - 1
+        experts[:, 1:] = np.arange(k - 1)  # distinct from e - 1 when k <= e
+    rows = group_rows(jnp.asarray(experts), e)
+    assert np.all(np.diff(np.asarray(rows.expert_a)) >= 0)
+    assert np.asarray(rows.group_sizes).tolist() == np.bincount(experts.reshape(-1), minlength=e).tolist()
+    x = rng.standard_normal((t * k, 5)).astype(np.float32)
+    w = rng.standard_normal((e, 7, 5)).astype(np.float32)
+    expected = np.einsum("ai,aoi->ao", x.astype(np.float64), w[np.asarray(rows.expert_a)].astype(np.float64))
+    for impl in GROUPED_MATMULS:
+        got = jax.jit(grouped_matmul, static_argnums=(3, 4))(jnp.asarray(x), jnp.asarray(w), rows, impl, block)
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5, err_msg=impl)
+
+
+def test_the_padded_length_holds_the_worst_routing():
+    """One row on each of e experts pads every expert to a whole block: the static length has room for it."""
+    e, block = 5, 4
+    rows = group_rows(jnp.arange(e, dtype=jnp.int32)[:, None], e)
+    x = jnp.ones((e, 3))
+    w = jnp.arange(e * 2 * 3, dtype=jnp.float32).reshape(e, 2, 3)
+    assert padded_rows(e, e, block) == e * block and padded_rows(3, 8, 4) == 12
+    np.testing.assert_array_equal(grouped_matmul(x, w, rows, "blocks", block), w.sum(-1))
+
+
+def test_combine_weights_each_tokens_rows_and_sums_them():
+    weights, experts = np.array([[0.75, 0.25], [0.5, 0.5]], np.float32), np.array([[2, 0], [0, 1]], np.int32)
+    rows = group_rows(jnp.asarray(experts), 3)
+    assert np.asarray(rows.expert_a).tolist() == [0, 0, 1, 2] and np.asarray(rows.token_a).tolist() == [0, 1, 1, 0]
+    y = jnp.asarray([[1.0], [2.0], [3.0], [4.0]])  # sorted rows: (token 0, e0), (1, e0), (1, e1), (0, e2)
+    np.testing.assert_allclose(np.asarray(combine(y, rows, jnp.asarray(weights))), [[0.75 * 4 + 0.25 * 1],
+                                                                                     [0.5 * 2 + 0.5 * 3]])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_routed_experts_equal_transformers_sparse_block_and_float64(family):
+    """The block's output on random float32 weights: router, the k experts' MLPs, the weighted sum (transformers'
+    eager experts; top-3 of 6, Qwen3-MoE without renormalising)."""
+    import transformers
+
+    if family == "qwen3_moe":
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+        config = transformers.Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=12, num_experts=6,
+                                             num_experts_per_tok=3, norm_topk_prob=False)
+    else:
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+        config = transformers.MixtralConfig(hidden_size=16, intermediate_size=12, num_local_experts=6,
+                                            num_experts_per_tok=3)
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    block = Block(config).eval()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(2, 10, 16)
+    with torch.no_grad():
+        expected = block(x).numpy().reshape(20, 16)
+    router, gate_up, down = (p.detach().numpy() for p in (block.gate.weight, block.experts.gate_up_proj,
+                                                          block.experts.down_proj))
+    x_td = x.numpy().reshape(20, 16)
+    weights, experts = route(jnp.asarray(x_td @ router.T), 3, family == "mixtral")
+    exact = reference_experts(x_td, np.asarray(weights), np.asarray(experts), gate_up, down)
+    scale = np.abs(exact).max()
+    assert np.abs(expected - exact).max() <= 1e-5 * scale
+    for impl in GROUPED_MATMULS:
+        got = jax.jit(routed_experts, static_argnums=(5, 6, 7))(jnp.asarray(x_td), weights, experts,
+                                                                jnp.asarray(gate_up), jnp.asarray(down), "silu",
+                                                                impl, 4)
+        assert np.abs(np.asarray(got) - exact).max() <= 1e-5 * scale, impl
+
+
+def test_the_blocks_gradients_are_the_dense_references():
+    """Of the tokens, the router's weights and both experts' weights: what a LoRA on the experts and the layers
+    below it are trained by."""
+    rng = np.random.default_rng(1)
+    t, e, k, d, f = 11, 5, 2, 6, 4
+    weights, experts = _routing(rng, t, e, k)
+    args = [jnp.asarray(a) for a in (rng.standard_normal((t, d)), weights, experts, rng.standard_normal((e, 2 * f, d)),
+                                     rng.standard_normal((e, d, f)))]
+    args = [a.astype(jnp.float32) if a.dtype == jnp.float64 else a for a in args]
+    cotangent = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+
+    def grads(impl):
+        loss = lambda x, w, gu, dn: jnp.sum(routed_experts(x, w, args[2], gu, dn, "silu", impl, 3) * cotangent)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(args[0], args[1], args[3], args[4])
+
+    for got, want in zip(grads("blocks"), grads("dense")):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_the_blocks_work_is_the_routed_rows_and_the_dense_work_every_experts():
+    """The compiled matmuls' FLOPs, each loop's body counted as often as it runs (the plan's count,
+    finetune/planning/hlo_cost.py): the blocks path's within its padded rows, the dense one's e x."""
+    from finetune.planning.hlo_cost import step_cost
+
+    t, e, k, block, i, o = 64, 16, 2, 8, 32, 48
+    experts = jnp.asarray(_routing(np.random.default_rng(2), t, e, k)[1])
+    rows = group_rows(experts, e)
+    x, w = jnp.ones((t * k, i)), jnp.ones((e, o, i))
+
+    def flops(impl):
+        compiled = jax.jit(grouped_matmul, static_argnums=(3, 4)).lower(x, w, rows, impl, block).compile()
+        return step_cost(compiled.as_text(), devices=1).flops
+
+    routed = 2 * t * k * i * o
+    assert routed <= flops("blocks") <= 2 * padded_rows(t * k, e, block) * i * o * 1.05
+    assert flops("dense") >= e * routed
