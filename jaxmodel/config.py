@@ -81,6 +81,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    # Mixture of experts (jaxmodel.moe), none when num_experts is 0: each token's num_experts_per_tok of
+    # num_experts experts of moe_intermediate_size, their router weights renormalised over the k when
+    # norm_topk_prob and rounded to the compute dtype before weighting the experts' outputs when
+    # round_router_weights (Qwen3-MoE; Mixtral keeps them float32).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    round_router_weights: bool = False
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -95,6 +104,11 @@ class ModelConfig:
         if self.sliding_layers and (len(self.sliding_layers) != self.num_hidden_layers or not self.sliding_window):
             raise ConfigError(f"sliding_layers needs one flag per layer ({self.num_hidden_layers}) and a "
                               f"positive sliding_window, got {len(self.sliding_layers)} and {self.sliding_window}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                              f"num_experts={self.num_experts}")
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            raise ConfigError(f"moe_intermediate_size={self.moe_intermediate_size} must be a positive integer")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ConfigError(f"hidden_act={self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
 

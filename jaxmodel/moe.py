@@ -24,6 +24,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+
+from jaxmodel.layers import INIT_STD, Linear, swiglu
 
 GROUPED_MATMULS = ("blocks", "ragged", "dense")
 
@@ -116,8 +119,6 @@ def routed_experts(x_td: jax.Array, weights_tk: jax.Array, experts_tk: jax.Array
     """The experts' gated MLPs on the routed rows, weighted and summed per token: float32 `[t, d]`. `gate_up_efd`
     is transformers 5's fused `[e, 2f, d]` (the gate's rows first), `down_edf` `[e, d, f]`; products in the
     weights' dtype are accumulated in float32 and rounded to it (as `jaxmodel.layers.Linear`)."""
-    from jaxmodel.layers import swiglu
-
     rows = group_rows(experts_tk, gate_up_efd.shape[0])
     dtype = gate_up_efd.dtype
     x_ad = x_td.astype(dtype)[rows.token_a]
@@ -125,6 +126,40 @@ def routed_experts(x_td: jax.Array, weights_tk: jax.Array, experts_tk: jax.Array
     f = down_edf.shape[2]
     y_ad = grouped_matmul(swiglu(h_a2f[:, :f], h_a2f[:, f:], activation), down_edf, rows, impl, block)
     return combine(y_ad.astype(dtype), rows, weights_tk)
+
+
+class SparseMoeBlock(nnx.Module):
+    """A sparse layer's MLP: the router `gate` (`[e, d]`, a Linear) and the routed experts' fused `gate_up_proj`
+    `[e, 2f, d]` (the gate's rows first) and `down_proj` `[e, d, f]`, transformers 5's layout of Qwen3-MoE's `mlp`
+    and Mixtral's `block_sparse_moe`; with `layers=L` every parameter has a leading `[L]` axis. `grouped` and `block`
+    choose the grouped matmul (`grouped_matmul`)."""
+
+    def __init__(self, config, *, layers: int | None, dtype, param_dtype, rngs: nnx.Rngs, grouped: str = "blocks",
+                 block: int = 64):
+        c = config
+        e, f, d = c.num_experts, c.moe_intermediate_size, c.hidden_size
+        lead, lead_axes = ((layers,), ("layers",)) if layers is not None else ((), ())
+        self.gate = Linear(d, e, axes=("experts", "embed"), layers=layers, dtype=dtype, param_dtype=param_dtype,
+                           rngs=rngs)
+
+        def stacked(shape, axes):
+            return nnx.Param(INIT_STD * jax.random.normal(rngs.params(), (*lead, *shape), param_dtype),
+                             axes=(*lead_axes, *axes))
+
+        self.gate_up_proj = stacked((e, 2 * f, d), ("experts", "mlp", "embed"))
+        self.down_proj = stacked((e, d, f), ("experts", "embed", "mlp"))
+        self.top_k, self.normalize, self.round_weights = c.num_experts_per_tok, c.norm_topk_prob, c.round_router_weights
+        self.activation, self.dtype, self.grouped, self.block = c.hidden_act, dtype, grouped, block
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        b, t, d = x_btd.shape
+        x_td = x_btd.reshape(b * t, d)
+        weights_tk, experts_tk = route(self.gate(x_td), self.top_k, self.normalize)
+        if self.round_weights:  # as transformers' Qwen3-MoE router casts them to the hidden states' dtype
+            weights_tk = weights_tk.astype(self.dtype).astype(jnp.float32)
+        y_td = routed_experts(x_td, weights_tk, experts_tk, self.gate_up_proj[...].astype(self.dtype),
+                              self.down_proj[...].astype(self.dtype), self.activation, self.grouped, self.block)
+        return y_td.astype(self.dtype).reshape(b, t, d)
 
 
 def reference_experts(x_td: np.ndarray, weights_tk: np.ndarray, experts_tk: np.ndarray, gate_up_efd: np.ndarray,

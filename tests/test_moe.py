@@ -22,6 +22,32 @@ def _routing(rng, t, e, k):
     return weights / weights.sum(-1, keepdims=True), experts
 
 
+def _transformers_block(family, normalize=False):
+    """transformers' sparse block (eager experts, top-3 of 6) with random weights, and the ModelConfig of ours."""
+    import transformers
+
+    from jaxmodel import ModelConfig
+
+    if family == "qwen3_moe":
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+        config = transformers.Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=12, num_experts=6,
+                                             num_experts_per_tok=3, norm_topk_prob=normalize)
+    else:
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+        config = transformers.MixtralConfig(hidden_size=16, intermediate_size=12, num_local_experts=6,
+                                            num_experts_per_tok=3)
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    block = Block(config).eval()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    ours = ModelConfig(vocab_size=8, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=3,
+                       moe_intermediate_size=12, norm_topk_prob=normalize or family == "mixtral",
+                       round_router_weights=family == "qwen3_moe")
+    return block, ours
+
+
 @pytest.mark.parametrize("normalize", [False, True])
 def test_route_is_transformers_router(normalize):
     from transformers import Qwen3MoeConfig
@@ -84,21 +110,7 @@ def test_combine_weights_each_tokens_rows_and_sums_them():
 def test_routed_experts_equal_transformers_sparse_block_and_float64(family):
     """The block's output on random float32 weights: router, the k experts' MLPs, the weighted sum (transformers'
     eager experts; top-3 of 6, Qwen3-MoE without renormalising)."""
-    import transformers
-
-    if family == "qwen3_moe":
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
-        config = transformers.Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=12, num_experts=6,
-                                             num_experts_per_tok=3, norm_topk_prob=False)
-    else:
-        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
-        config = transformers.MixtralConfig(hidden_size=16, intermediate_size=12, num_local_experts=6,
-                                            num_experts_per_tok=3)
-    config._experts_implementation = "eager"
-    torch.manual_seed(0)
-    block = Block(config).eval()
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.5)
+    block, _ = _transformers_block(family)
     x = torch.randn(2, 10, 16)
     with torch.no_grad():
         expected = block(x).numpy().reshape(20, 16)
@@ -152,3 +164,38 @@ def test_the_blocks_work_is_the_routed_rows_and_the_dense_work_every_experts():
     routed = 2 * t * k * i * o
     assert routed <= flops("blocks") <= 2 * padded_rows(t * k, e, block) * i * o * 1.05
     assert flops("dense") >= e * routed
+
+
+@pytest.mark.parametrize("family, normalize", [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True)])
+@pytest.mark.parametrize("grouped", ["blocks", "ragged"])
+def test_the_sparse_block_module_equals_transformers(family, normalize, grouped):
+    from flax import nnx
+
+    from jaxmodel.moe import SparseMoeBlock
+
+    block, config = _transformers_block(family, normalize)
+    x = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = block(x).numpy()
+    ours = SparseMoeBlock(config, layers=None, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0),
+                          grouped=grouped, block=4)
+    ours.gate.weight.set_value(jnp.asarray(block.gate.weight.detach().numpy()))
+    ours.gate_up_proj.set_value(jnp.asarray(block.experts.gate_up_proj.detach().numpy()))
+    ours.down_proj.set_value(jnp.asarray(block.experts.down_proj.detach().numpy()))
+    got = np.asarray(nnx.jit(lambda m, x: m(x))(ours, jnp.asarray(x.numpy())))
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(num_experts_per_tok=7), "num_experts_per_tok=7 must be between 1 and num_experts=6"),
+    (dict(num_experts_per_tok=0), "num_experts_per_tok=0 must be between 1 and num_experts=6"),
+    (dict(moe_intermediate_size=0), "moe_intermediate_size=0 must be a positive integer"),
+])
+def test_an_impossible_expert_config_is_refused_naming_its_field(fields, message):
+    from jaxmodel import ModelConfig
+    from jaxmodel.config import ConfigError
+
+    values = dict(vocab_size=8, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=12)
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        ModelConfig(**{**values, **fields})
