@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmodel.layers import INIT_STD, Linear, swiglu
+from jaxmodel.layers import INIT_STD, Linear, _stacked, swiglu
 
 GROUPED_MATMULS = ("blocks", "ragged", "dense")
 
@@ -73,8 +73,7 @@ def grouped_matmul(x_ai: jax.Array, w_eoi: jax.Array, rows: GroupedRows, impl: s
     if impl != "blocks":
         raise ValueError(f"grouped matmul must be one of {GROUPED_MATMULS}, got {impl!r}")
     positions, block_expert = _block_layout(rows, block)
-    a, i = x_ai.shape
-    n = block_expert.shape[0]
+    i, n = x_ai.shape[1], block_expert.shape[0]
     x_nbi = jnp.zeros((n * block, i), x_ai.dtype).at[positions].set(x_ai).reshape(n, block, i)
 
     def one_block(xs):
@@ -138,13 +137,12 @@ class SparseMoeBlock(nnx.Module):
                  block: int = 64):
         c = config
         e, f, d = c.num_experts, c.moe_intermediate_size, c.hidden_size
-        lead, lead_axes = ((layers,), ("layers",)) if layers is not None else ((), ())
         self.gate = Linear(d, e, axes=("experts", "embed"), layers=layers, dtype=dtype, param_dtype=param_dtype,
                            rngs=rngs)
 
         def stacked(shape, axes):
-            return nnx.Param(INIT_STD * jax.random.normal(rngs.params(), (*lead, *shape), param_dtype),
-                             axes=(*lead_axes, *axes))
+            shape, axes = _stacked(layers, shape, axes)
+            return nnx.Param(INIT_STD * jax.random.normal(rngs.params(), shape, param_dtype), axes=axes)
 
         self.gate_up_proj = stacked((e, 2 * f, d), ("experts", "mlp", "embed"))
         self.down_proj = stacked((e, d, f), ("experts", "embed", "mlp"))

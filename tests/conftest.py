@@ -215,9 +215,9 @@ def two_process_grads(tiny_converted):
 
     def build(out):
         out.mkdir()
-        (out / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in addition_rows()))
+        write_jsonl(out / "sft.jsonl", addition_rows())
         write_packed_data(out / "packed.jsonl")
-        (out / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in addition_pairs()))
+        write_jsonl(out / "pairs.jsonl", addition_pairs())
         run_multihost_worker(tiny_converted, out)
 
     return built_once("two-process-grads", build)
