@@ -124,7 +124,7 @@ def _check_unquantized_source(source_dir: Path) -> None:
 @dataclasses.dataclass
 class _Plan:
     specs: dict[str, tuple[tuple[int, ...], np.dtype, bool]]  # JAX path -> (shape, dtype, stacked)
-    sources: dict[str, tuple[str, int]]  # HF name -> (JAX path, slice index)
+    sources: dict[str, tuple[str, int, int]]  # HF name -> (JAX path, slice index, elements into the slice)
     quantization: Quantization | None = None
     quantized: frozenset[str] = frozenset()  # weight paths stored as `.codes` + `.scales`
 
@@ -133,9 +133,10 @@ def _plan(config: ModelConfig, tensors: list[SourceTensor], source_dir: Path, dt
           quantization: Quantization | None = None) -> _Plan:
     expected = param_specs(config)
     by_path = hf_tensors_by_param(config, tensors, source_dir, ConversionError)
-    sources = {t.name: (path, layer) for path, layers in by_path.items() for layer, t in layers.items()}
+    sources = {piece.tensor.name: (path, layer, piece.offset) for path, layers in by_path.items()
+               for layer, pieces in layers.items() for piece in pieces}
     stacked = names_of(config).is_stacked
-    specs = {path: (shape, dtype if dtype is not None else by_path[path][0].dtype, stacked(path))
+    specs = {path: (shape, dtype if dtype is not None else by_path[path][0][0].tensor.dtype, stacked(path))
              for path, (shape, _) in expected.items()}
     if quantization is None:
         return _Plan(specs, sources)
@@ -181,18 +182,21 @@ def _copy(plan: _Plan, tensors: list[SourceTensor], kind: str, tmp: Path, progre
                 handle = open_file(file, kind)
                 try:
                     for t in (t for t in todo if t.file == file):
-                        path, index = plan.sources[t.name]
+                        path, index, start = plan.sources[t.name]
                         if path in plan.quantized:
                             n = _write_quantized(writer, path, index, t, handle, plan.quantization)
                             written += n
                             bar.update(n)
                             continue
                         target = plan.specs[path][1]
+                        # an expert's tensor fills its part of the slice: `start` elements in, its own size
+                        part = dict(start=start * target.itemsize, nbytes=int(np.prod(t.shape)) * target.itemsize)
                         if t.offset is not None and t.dtype == target:  # a byte copy: let the kernel do it
-                            n = writer.copy_slice(path, index, handle, t.offset)
+                            n = writer.copy_slice(path, index, handle, t.offset, **part)
                         else:
                             chunks = (c if c.dtype == target else c.astype(target) for c in iter_chunks(t, handle))
-                            n = writer.write_slice(path, index, (memoryview(c.view(np.uint8)) for c in chunks))
+                            n = writer.write_slice(path, index, (memoryview(c.view(np.uint8)) for c in chunks),
+                                                   **part)
                         written += n
                         bar.update(n)
                 finally:

@@ -32,7 +32,7 @@ from jaxmodel.formats.hf_checkpoint import AUX_FILES, close_file, iter_chunks, l
 from jaxmodel.formats.hf_names import names_of
 from jaxmodel.formats.io import pwrite_all
 from jaxmodel.formats.safetensors_file import write_header
-from jaxmodel.lora import LoraConfig
+from jaxmodel.lora import LoraConfig, is_expert_projection
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)B?", re.IGNORECASE)
 
 
@@ -51,18 +51,20 @@ class MergeBaseError(ValueError, UserError):
 # Config fields that fix the shapes of the weights: a merge base must agree with the run's base on each.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "tie_word_embeddings", "model_type", "qkv_bias", "o_bias", "mlp_bias",
-                "qk_norm")
+                "qk_norm", "num_experts", "moe_intermediate_size", "sparse_layers")
 
 
 @dataclasses.dataclass(frozen=True)
 class BaseTensor:
-    """One HF tensor of the base: its HF name, the JAX parameter and layer it is, dtype and shape."""
+    """One HF tensor of the base: its HF name, the JAX parameter and layer it is, dtype and shape; an expert's tensor
+    also its `part` of the layer's `[e, out, in]` slice: (expert, first row, rows)."""
 
     name: str
     path: str
     layer: int | None
     dtype: np.dtype
     shape: tuple[int, ...]
+    part: tuple[int, int, int] | None = None
 
 
 class MergeBase:
@@ -89,7 +91,9 @@ class MergeBase:
             tensors = []
             for path, entry in self._manifest.items():
                 dtype = DTYPES_BY_NAME[entry["dtype"]]
-                if names.is_stacked(path):
+                if names.expert_tensors(path):  # written under the hub's per-expert names
+                    tensors += _expert_tensors(names, path, dtype, tuple(entry["shape"]))
+                elif names.is_stacked(path):
                     tensors += [BaseTensor(names.jax_to_hf(path, i), path, i, dtype, tuple(entry["shape"][1:]))
                                 for i in range(entry["shape"][0])]
                 else:
@@ -103,10 +107,25 @@ class MergeBase:
     def _hf_tensors(self, found) -> list[BaseTensor]:
         """The HF checkpoint's tensors checked against its config.json, as the converter checks them."""
         by_path = hf_tensors_by_param(self.config, found, self.directory, MergeBaseError)
-        stacked = names_of(self.config).is_stacked
-        tensors = [BaseTensor(t.name, path, layer if stacked(path) else None, np.dtype(t.dtype), tuple(t.shape))
-                   for path, layers in by_path.items() for layer, t in layers.items()]
+        names = names_of(self.config)
+        stacked = names.is_stacked
+        tensors = []
+        for path, layers in by_path.items():
+            for layer, pieces in layers.items():
+                for t, offset in pieces:
+                    part = None
+                    if names.expert_tensors(path) and len(t.shape) == 2:  # an expert's rows of the [e, out, in] slice
+                        rows, cols = t.shape
+                        out = self._expert_rows(path)
+                        part = (offset // (out * cols), offset % (out * cols) // cols, rows)
+                    tensors.append(BaseTensor(t.name, path, layer if stacked(path) else None, np.dtype(t.dtype),
+                                              tuple(t.shape), part))
         return tensors
+
+    def _expert_rows(self, path: str) -> int:
+        """The output rows of one expert in an experts' parameter."""
+        c = self.config
+        return 2 * c.moe_intermediate_size if path.endswith("gate_up_proj.weight") else c.hidden_size
 
     def check_matches(self, config: ModelConfig, what: str) -> None:
         """MergeBaseError unless this base has the shapes of `config` (`what` names where that comes from)."""
@@ -120,6 +139,9 @@ class MergeBase:
         """The tensor's values as stored (its own dtype)."""
         if self.converted:
             stored = open_tensor(self.directory, tensor.path, self._manifest[tensor.path])
+            if tensor.part is not None:
+                expert, first, rows = tensor.part
+                return np.asarray(stored[tensor.layer, expert, first:first + rows])
             return np.asarray(stored[tensor.layer] if tensor.layer is not None else stored)
         source = self._sources[tensor.name]
         if source.file not in self._handles:
@@ -206,13 +228,28 @@ def _write_shard(file: Path, shard: list[BaseTensor], base: MergeBase, adapters,
             if tensor.path.endswith(".weight") and module + ".lora_a" in adapters:
                 a, b = adapters[module + ".lora_a"], adapters[module + ".lora_b"]
                 a, b = (a[tensor.layer], b[tensor.layer]) if tensor.layer is not None else (a, b)
-                merged = weight.astype(np.float32) + scale * (a.astype(np.float32) @ b.astype(np.float32)).T
-                weight = merged.astype(weight.dtype)
+                a, b = a.astype(np.float32), b.astype(np.float32)
+                if not is_expert_projection(module):
+                    delta = (a @ b).T
+                elif tensor.part is None:  # a layer's fused experts: B_e A_e for each, [e, out, in]
+                    delta = np.einsum("eor,eri->eoi", b, a)
+                else:  # one expert's rows: [rows, in]
+                    expert, first, rows = tensor.part
+                    delta = b[expert, first:first + rows] @ a[expert]
+                weight = (weight.astype(np.float32) + scale * delta).astype(weight.dtype)
             pwrite_all(fd, np.ascontiguousarray(weight).view(np.uint8).reshape(-1), locations[tensor.name].offset)
         os.fsync(fd)
         return sum(loc.nbytes for loc in locations.values())
     finally:
         os.close(fd)
+
+
+def _expert_tensors(names, path: str, dtype, shape: tuple[int, ...]) -> list[BaseTensor]:
+    """A converted experts' parameter `[layers, e, out, in]` as the hub's per-expert tensors."""
+    layers, experts, out, cols = shape
+    return [BaseTensor(names.expert_name(row, layer, expert), path, layer, dtype, (out // row.parts, cols),
+                       (expert, row.part * out // row.parts, out // row.parts))
+            for layer in range(layers) for expert in range(experts) for row in names.expert_tensors(path)]
 
 
 def _hf_order(name: str) -> tuple:

@@ -84,12 +84,14 @@ class ModelConfig:
     # Mixture of experts (jaxmodel.moe), none when num_experts is 0: each token's num_experts_per_tok of
     # num_experts experts of moe_intermediate_size, their router weights renormalised over the k when
     # norm_topk_prob and rounded to the compute dtype before weighting the experts' outputs when
-    # round_router_weights (Qwen3-MoE; Mixtral keeps them float32).
+    # round_router_weights (Qwen3-MoE; Mixtral keeps them float32). sparse_layers marks the layers whose MLP is
+    # the experts (one flag per layer; empty: none); the others have the dense MLP of intermediate_size.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     round_router_weights: bool = False
+    sparse_layers: tuple[bool, ...] = ()
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -109,6 +111,9 @@ class ModelConfig:
                               f"num_experts={self.num_experts}")
         if self.num_experts and self.moe_intermediate_size <= 0:
             raise ConfigError(f"moe_intermediate_size={self.moe_intermediate_size} must be a positive integer")
+        if self.sparse_layers and (len(self.sparse_layers) != self.num_hidden_layers or not self.num_experts):
+            raise ConfigError(f"sparse_layers needs one flag per layer ({self.num_hidden_layers}) and experts, got "
+                              f"{len(self.sparse_layers)} flags and num_experts={self.num_experts}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ConfigError(f"hidden_act={self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
 
@@ -127,6 +132,22 @@ class ModelConfig:
         if not self.sliding_layers:
             return (0,) * self.num_hidden_layers
         return tuple(self.sliding_window if s else 0 for s in self.sliding_layers)
+
+    def layer_runs(self) -> tuple[tuple[bool, int, int], ...]:
+        """The layers as runs of consecutive layers of one kind: (sparse, first layer, count) in model order."""
+        runs: list[tuple[bool, int, int]] = []
+        for i in range(self.num_hidden_layers):
+            sparse = bool(self.sparse_layers) and self.sparse_layers[i]
+            if runs and runs[-1][0] == sparse:
+                runs[-1] = (sparse, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((sparse, i, 1))
+        return tuple(runs)
+
+    def stack_layers(self, sparse: bool) -> tuple[int, ...]:
+        """The layers of one kind, in order: slice `j` of that kind's stacked parameters is layer `[j]`."""
+        flags = self.sparse_layers or (False,) * self.num_hidden_layers
+        return tuple(i for i, s in enumerate(flags) if s == sparse)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -5,6 +5,11 @@
 variables, float32 whatever the base dtype, and carry logical axes consistent with their base weight
 (A's input axis is the weight's input axis, B's output axis its output axis), so the sharding rules
 split them the same way.
+
+The routed experts' projections (`jaxmodel.moe.GroupedLinear`, targets `experts.gate_up_proj` and
+`experts.down_proj`) take one adapter of rank r for each expert, as PEFT's `target_parameters` adapts a fused expert
+parameter: `A: [e, r, in]` (kaiming-uniform, as PEFT's `[e * r, in]`) and `B: [e, out, r]` zeros. PEFT gives them no
+dropout, and neither does this port.
 """
 
 from __future__ import annotations
@@ -19,8 +24,11 @@ from flax import nnx
 
 from jaxmodel.layers import Linear, LoRAParam
 from jaxmodel.model import CausalLM
+from jaxmodel.moe import GroupedLinear
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the routed experts' fused projections, by their module path's last two names
+EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,32 +42,53 @@ class LoraConfig:
     def __post_init__(self):
         if self.rank <= 0:
             raise ValueError(f"LoRA rank must be a positive integer, got {self.rank}")
-        unknown = sorted(set(self.targets) - set(ALL_TARGETS) - {"lm_head"})
+        known = ALL_TARGETS + ("lm_head",) + EXPERT_TARGETS
+        unknown = sorted(set(self.targets) - set(known))
         if unknown or not self.targets:
-            raise ValueError(f"LoRA targets {unknown or '(none)'}: expected names from "
-                             f"{', '.join(ALL_TARGETS + ('lm_head',))}")
+            raise ValueError(f"LoRA targets {unknown or '(none)'}: expected names from {', '.join(known)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if self.dropout and set(self.targets) & set(EXPERT_TARGETS):
+            raise ValueError(f"LoRA dropout {self.dropout:g} on the experts: PEFT adapts them without dropout (set "
+                             "it to 0, or leave experts.gate_up_proj and experts.down_proj out of the targets)")
 
     @property
     def scale(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
 
-def target_linears(model: CausalLM, targets: tuple[str, ...]) -> Iterator[tuple[str, Linear]]:
-    """(NNX module path, Linear) for every linear layer whose HF module name is in `targets`."""
+def target_linears(model: CausalLM, targets: tuple[str, ...]) -> Iterator[tuple[str, Linear | GroupedLinear]]:
+    """(NNX module path, module) for every linear layer whose HF module name is in `targets`, and every experts'
+    projection whose `experts.<name>` is."""
     for path, module in nnx.iter_graph(model):
         if isinstance(module, Linear) and path and path[-1] in targets:
             yield ".".join(map(str, path)), module
+        if isinstance(module, GroupedLinear) and ".".join(map(str, path[-2:])) in targets:
+            yield ".".join(map(str, path)), module
+
+
+def target_name(path: str) -> str:
+    """The target naming the module at `path` (`layers.self_attn.q_proj` -> `q_proj`, an experts' projection
+    `moe_layers.mlp.experts.down_proj` -> `experts.down_proj`)."""
+    parts = path.split(".")
+    return ".".join(parts[-2:]) if is_expert_projection(path) else parts[-1]
+
+
+def is_expert_projection(path: str) -> bool:
+    """Whether the module at `path` is an experts' projection (`...mlp.experts.gate_up_proj`)."""
+    return path.split(".")[-2:-1] == ["experts"]
 
 
 def apply_lora(model: CausalLM, config: LoraConfig, *, rngs: nnx.Rngs) -> CausalLM:
     """Attach fresh adapters to `model`'s target layers, in place; returns the model."""
     found = list(target_linears(model, config.targets))
-    missing = set(config.targets) - {path.rsplit(".", 1)[-1] for path, _ in found}
+    missing = set(config.targets) - {target_name(path) for path, _ in found}
     if missing:
         raise ValueError(f"LoRA targets {sorted(missing)} are not layers of this model (tied embeddings have no lm_head)")
     for _, linear in found:
+        if isinstance(linear, GroupedLinear):
+            _expert_adapters(linear, config, rngs)
+            continue
         *lead, out_features, in_features = linear.weight_shape
         *lead_axes, out_axis, in_axis = linear.weight_axes
         bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on torch's [r, in] lora_A
@@ -70,3 +99,14 @@ def apply_lora(model: CausalLM, config: LoraConfig, *, rngs: nnx.Rngs) -> Causal
         linear.lora_scale = config.scale
         linear.lora_dropout = config.dropout
     return model
+
+
+def _expert_adapters(linear: GroupedLinear, config: LoraConfig, rngs: nnx.Rngs) -> None:
+    *lead, experts, out_features, in_features = linear.weight_shape
+    *lead_axes, expert_axis, out_axis, in_axis = linear.weight_axes
+    bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on PEFT's [e * r, in] lora_A
+    a = jax.random.uniform(rngs.params(), (*lead, experts, config.rank, in_features), jnp.float32, -bound, bound)
+    linear.lora_a = LoRAParam(a, axes=(*lead_axes, expert_axis, "lora_rank", (in_axis, "lora_rank")))
+    linear.lora_b = LoRAParam(jnp.zeros((*lead, experts, out_features, config.rank), jnp.float32),
+                              axes=(*lead_axes, expert_axis, (out_axis, "lora_rank"), "lora_rank"))
+    linear.lora_scale = config.scale

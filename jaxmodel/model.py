@@ -1,6 +1,6 @@
 """The decoder-only causal LM as Flax NNX modules, numerically transformers' class of each family
 (`jaxmodel.families`: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-Gemma3ForCausalLM).
+Gemma3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM).
 
 Shapes: b batch, t query positions, s key positions, d hidden, n query heads, k kv heads,
 r = n // k query heads per kv head, h head_dim, f intermediate, v vocab, l layers.
@@ -22,6 +22,7 @@ from jaxmodel.context_parallel import context_parallel_attention, cp_order, cp_s
 from jaxmodel.config import ModelConfig
 from jaxmodel.layers import Embed, Linear, LoRAParam, QuantizedParam, RMSNorm, swiglu
 from jaxmodel.matmul import DOT_POLICIES, einsum_acc32, remat_name
+from jaxmodel.moe import SparseMoeBlock
 from jaxmodel.quantization import Quantization, quantize
 from jaxmodel.rope import apply_rope, cos_sin, inv_freq
 from jaxmodel.sharding import DEFAULT_RULES, Rules, constrain
@@ -156,9 +157,10 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm residual blocks, attention then the MLP: `input_layernorm` before attention and
     `post_attention_layernorm` before the MLP (Llama's names). With `sandwich_norms`, `attn_output_norm` and
-    `mlp_output_norm` norm each block's output before its residual add too."""
+    `mlp_output_norm` norm each block's output before its residual add too. A `sparse` layer's MLP is the mixture
+    of experts (`jaxmodel.moe.SparseMoeBlock`)."""
 
-    def __init__(self, config: ModelConfig, *, layers: int | None = None, dtype, param_dtype,
+    def __init__(self, config: ModelConfig, *, layers: int | None = None, sparse: bool = False, dtype, param_dtype,
                  quantization: Quantization | None = None, rngs: nnx.Rngs):
         kw = dict(layers=layers, dtype=dtype, param_dtype=param_dtype, quantization=quantization, rngs=rngs)
         d = config.hidden_size
@@ -167,7 +169,11 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(d, **norm)
         self.self_attn = Attention(config, **kw)
         self.post_attention_layernorm = RMSNorm(d, **norm)
-        self.mlp = MLP(config, **kw)
+        if sparse:
+            self.mlp = SparseMoeBlock(config, layers=layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(config, **kw)
+        self.sparse = sparse
         if config.sandwich_norms:
             self.attn_output_norm, self.mlp_output_norm = RMSNorm(d, **norm), RMSNorm(d, **norm)
         else:
@@ -175,21 +181,29 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x_btd, cos_bth, sin_bth, mask: dict, kv, cache_index, key=None, mlp_chunk: int = 0,
                  rules: Rules = DEFAULT_RULES):
+        """The layer's output `[b, t, d]`, the updated cache, and a sparse layer's experts of each token `[b, t, k]`
+        (None for a dense layer)."""
         attn_key, mlp_key = _split(key, 2)
         attn_btd, kv = self.self_attn(self.input_layernorm(x_btd), cos_bth, sin_bth, mask, kv, cache_index,
                                       attn_key, rules)
         if self.attn_output_norm is not None:
             attn_btd = self.attn_output_norm(attn_btd)
         h_btd = x_btd + attn_btd
-        mlp_btd = self.mlp(self.post_attention_layernorm(h_btd), mlp_key, mlp_chunk, rules)
+        experts_btk = None
+        if self.sparse:
+            mlp_btd, experts_btk = self.mlp(self.post_attention_layernorm(h_btd))
+        else:
+            mlp_btd = self.mlp(self.post_attention_layernorm(h_btd), mlp_key, mlp_chunk, rules)
         if self.mlp_output_norm is not None:
             mlp_btd = self.mlp_output_norm(mlp_btd)
-        return h_btd + mlp_btd, kv
+        return h_btd + mlp_btd, kv, experts_btk
 
 
 class CausalLM(nnx.Module):
-    """The causal LM of every family (`config.model_type`, with its switches). Decoder layers are one stacked
-    module run with `jax.lax.scan`, so compile time does not grow with depth; `remat` names the
+    """The causal LM of every family (`config.model_type`, with its switches). Decoder layers are stacked modules
+    run with `jax.lax.scan`, so compile time does not grow with depth: `layers` holds the layers with a dense MLP and
+    `moe_layers` those with experts (`config.sparse_layers`; None where a model has no layer of that kind), each
+    run of consecutive layers of one kind one scan over its slice of the stack. `remat` names the
     rematerialisation policy of the scanned body and `attention` the attention implementation without a cache:
     "xla" (dense scores) or "blockwise" (memory linear in the sequence, `jaxmodel.attention.blockwise_attention`).
     `mlp_chunk` > 0 runs the MLP over chunks of that many positions. Under a mesh with a `cp` axis the sequence
@@ -212,8 +226,14 @@ class CausalLM(nnx.Module):
         self.rules = tuple(rules)  # logical axes -> mesh axes, for activations under a mesh
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                   scale=config.hidden_size ** 0.5 if config.scale_embeddings else None, rngs=rngs)
-        self.layers = DecoderLayer(config, layers=config.num_hidden_layers, dtype=dtype, param_dtype=param_dtype,
-                                   quantization=quantization, rngs=rngs)
+        # Two stacks, not one holding both kinds of MLP in every layer: that would hold a dense MLP and every expert
+        # for each layer (DeepSeek-V3's 3 dense layers would hold 3 x 256 experts they never use).
+        stacks = {}
+        for sparse in (False, True):
+            count = len(config.stack_layers(sparse))
+            stacks[sparse] = DecoderLayer(config, layers=count, sparse=sparse, dtype=dtype, param_dtype=param_dtype,
+                                          quantization=quantization, rngs=rngs) if count else None
+        self.layers, self.moe_layers = stacks[False], stacks[True]
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype,
                             unit_offset=config.norm_unit_offset)
         if config.tie_word_embeddings:
@@ -260,8 +280,18 @@ class CausalLM(nnx.Module):
             mask = dict(impl=self.attention, q_segment_ids=segments_bt, kv_segment_ids=segments_bt)
         else:  # causality is added by `attention`, from the positions' indices
             mask = dict(impl=self.attention, mask_bts=_dense_key_mask(attention_mask, segment_ids))
-        h_btd, _ = self._layers(input_ids, positions, mask, None, 0, dropout_key)
+        h_btd, _, _ = self._layers(input_ids, positions, mask, None, 0, dropout_key)
         return self.norm(h_btd)
+
+    def routes(self, input_ids, *, attention_mask=None) -> jax.Array:
+        """The experts each token is routed to at each sparse layer, `[sparse layers, b, t, k]` int32 (largest
+        weight first), in the model's layer order; positions in `sequence_order(t)`."""
+        if self.moe_layers is None:
+            raise ValueError("the model has no sparse layers")
+        b, t = input_ids.shape
+        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        mask = dict(impl="xla", mask_bts=_dense_key_mask(attention_mask, None))
+        return self._layers(input_ids, positions, mask, None, 0)[2]
 
     def head(self, h_btd) -> jax.Array:
         """float32 logits `[..., v]` of hidden states `[..., d]`: the LM head (or the tied embedding), with
@@ -301,11 +331,12 @@ class CausalLM(nnx.Module):
         # query i sits at slot cache_index + i and sees slots up to it (attention's q_offset)
         mask_bts = jnp.broadcast_to(key_valid.astype(bool)[:, None, :], (b, t, s))
         mask = dict(impl="xla", mask_bts=mask_bts, q_offset=cache_index)
-        h_btd, cache = self._layers(input_ids, positions, mask, cache, cache_index)
+        h_btd, cache, _ = self._layers(input_ids, positions, mask, cache, cache_index)
         return self.head(self.norm(h_btd)), cache
 
     def _layers(self, input_ids, positions, mask: dict, cache: KVCache | None, cache_index, dropout_key=None):
-        """The decoder stack: hidden states `[b, t, d]` before the final norm, and the updated cache."""
+        """The decoder stack: hidden states `[b, t, d]` before the final norm, the updated cache, and each sparse
+        layer's experts of each token `[sparse layers, b, t, k]` (None without sparse layers)."""
         c = self.config
         if c.query_pre_attn_scalar is not None:
             mask = {**mask, "scale": c.attention_scale}
@@ -317,18 +348,44 @@ class CausalLM(nnx.Module):
         else:
             local_cos_sin, local_xs = None, None
         h_btd = constrain(self.embed_tokens(input_ids, self.rules), ("act_batch", "act_seq", "act_embed"), self.rules)
-        graphdef, lora_state, frozen_state = nnx.split(self.layers, LoRAParam, ...)
-        # The frozen weights cross the scan as the integers of their bits when they are 16-bit floats: XLA:CPU
-        # runs a bf16 dynamic-slice in float32, converting the whole [layers, ...] stack of every weight at each
-        # step. Nothing is differentiated through them; the LoRA state, which is, crosses as it is.
-        dtypes = jax.tree.map(lambda x: x.dtype, frozen_state)
-        frozen_bits = jax.tree.map(_as_bits, frozen_state)
-
         act = ("act_batch", "act_seq", "act_embed")
         # Each layer's window, a scanned value, so that one layer body serves windowed and full layers; none at all
         # (no mask term) when no layer has one.
         windows = c.layer_windows()
         window_xs = np.asarray([w or FULL_WINDOW for w in windows], np.int32) if any(windows) else None
+        layer_keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_hidden_layers)
+        kv_xs = None if cache is None else (cache.k, cache.v)
+        per_layer = (kv_xs, layer_keys, window_xs, local_xs)
+        kv_parts, routes = [], []
+        for sparse, first, count in c.layer_runs():
+            stack = self.moe_layers if sparse else self.layers
+            start = c.stack_layers(sparse).index(first)
+            run = jax.tree.map(lambda x: x[first:first + count], per_layer)
+            h_btd, (kv_ys, experts) = self._scan(stack, (start, count), h_btd, run, (cos_bth, sin_bth), local_cos_sin,
+                                                 mask, cache_index, act)
+            kv_parts.append(kv_ys)
+            routes += [] if experts is None else [experts]
+        routes = jnp.concatenate(routes) if routes else None
+        if cache is None:
+            return h_btd, None, routes
+        kv = KVCache(*(jnp.concatenate(parts) if len(parts) > 1 else parts[0] for parts in zip(*kv_parts)))
+        return h_btd, kv, routes
+
+    def _scan(self, stack: "DecoderLayer", part: tuple[int, int], h_btd, per_layer, cos_sin, local_cos_sin,
+              mask: dict, cache_index, act):
+        """Layers `[start, start + count)` of `stack` (`part`) over `h_btd`, one scan; `per_layer` their KV cache,
+        dropout keys, windows and local-RoPE flags (each None when unused). Returns the hidden states and each
+        layer's (cache, experts of each token) stacked."""
+        graphdef, lora_state, frozen_state = nnx.split(stack, LoRAParam, ...)
+        start, count = part
+        if count != len(self.config.stack_layers(stack.sparse)):  # a run of part of the stack: its slice
+            lora_state, frozen_state = jax.tree.map(lambda x: x[start:start + count], (lora_state, frozen_state))
+        # The frozen weights cross the scan as the integers of their bits when they are 16-bit floats: XLA:CPU
+        # runs a bf16 dynamic-slice in float32, converting the whole [layers, ...] stack of every weight at each
+        # step. Nothing is differentiated through them; the LoRA state, which is, crosses as it is.
+        dtypes = jax.tree.map(lambda x: x.dtype, frozen_state)
+        frozen_bits = jax.tree.map(_as_bits, frozen_state)
+        cos_bth, sin_bth = cos_sin
 
         def layer_step(h_btd, xs):
             (lora, frozen), kv, key, window, local = xs
@@ -337,18 +394,14 @@ class CausalLM(nnx.Module):
             layer_mask = mask if window is None else {**mask, "window": window}
             cos, sin = (cos_bth, sin_bth) if local is None else (
                 jnp.where(local, local_cos_sin[0], cos_bth), jnp.where(local, local_cos_sin[1], sin_bth))
-            h_btd, kv = nnx.merge(graphdef, lora, frozen)(h_btd, cos, sin, layer_mask, kv, cache_index, key,
-                                                          self.mlp_chunk, self.rules)
-            return constrain(h_btd, act, self.rules), kv
+            h_btd, kv, experts = nnx.merge(graphdef, lora, frozen)(h_btd, cos, sin, layer_mask, kv, cache_index,
+                                                                   key, self.mlp_chunk, self.rules)
+            return constrain(h_btd, act, self.rules), (kv, experts)
 
         policy = REMAT_POLICIES[self.remat]
         if self.remat != "none":
             layer_step = jax.checkpoint(layer_step, policy=policy, prevent_cse=False)
-        kv_xs = None if cache is None else (cache.k, cache.v)
-        layer_keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_hidden_layers)
-        h_btd, kv_ys = jax.lax.scan(layer_step, h_btd,
-                                    ((lora_state, frozen_bits), kv_xs, layer_keys, window_xs, local_xs))
-        return h_btd, (None if cache is None else KVCache(*kv_ys))
+        return jax.lax.scan(layer_step, h_btd, ((lora_state, frozen_bits), *per_layer))
 
 
 def _as_bits(x: jax.Array) -> jax.Array:

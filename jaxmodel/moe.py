@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmodel.layers import INIT_STD, Linear, _stacked, swiglu
+from jaxmodel import scopes
+from jaxmodel.layers import INIT_STD, Linear, LoRAParam, _stacked, swiglu
 
 GROUPED_MATMULS = ("blocks", "ragged", "dense")
 
@@ -118,46 +119,97 @@ def routed_experts(x_td: jax.Array, weights_tk: jax.Array, experts_tk: jax.Array
     """The experts' gated MLPs on the routed rows, weighted and summed per token: float32 `[t, d]`. `gate_up_efd`
     is transformers 5's fused `[e, 2f, d]` (the gate's rows first), `down_edf` `[e, d, f]`; products in the
     weights' dtype are accumulated in float32 and rounded to it (as `jaxmodel.layers.Linear`)."""
-    rows = group_rows(experts_tk, gate_up_efd.shape[0])
     dtype = gate_up_efd.dtype
+
+    def project(w_eoi):
+        return lambda x_ai, rows: grouped_matmul(x_ai, w_eoi, rows, impl, block)
+
+    return _gated_experts(x_td, weights_tk, experts_tk, project(gate_up_efd), project(down_edf), gate_up_efd.shape[0],
+                          dtype, activation)
+
+
+def _gated_experts(x_td, weights_tk, experts_tk, gate_up, down, num_experts: int, dtype, activation: str):
+    """`routed_experts` with the two projections as functions of (sorted rows, `GroupedRows`) giving float32."""
+    rows = group_rows(experts_tk, num_experts)
     x_ad = x_td.astype(dtype)[rows.token_a]
-    h_a2f = grouped_matmul(x_ad, gate_up_efd, rows, impl, block).astype(dtype)
-    f = down_edf.shape[2]
-    y_ad = grouped_matmul(swiglu(h_a2f[:, :f], h_a2f[:, f:], activation), down_edf, rows, impl, block)
+    h_a2f = gate_up(x_ad, rows).astype(dtype)
+    f = h_a2f.shape[1] // 2
+    y_ad = down(swiglu(h_a2f[:, :f], h_a2f[:, f:], activation), rows)
     return combine(y_ad.astype(dtype), rows, weights_tk)
 
 
+class GroupedLinear(nnx.Module):
+    """One projection of every expert, `weight` `[e, out, in]` (torch's `[out, in]` for each expert: transformers 5's
+    fused parameter), each routed row times its own expert's weight (`grouped_matmul`), accumulated in float32. With
+    a LoRA adapter attached (`jaxmodel.lora.apply_lora`), one of rank r for each expert, as PEFT's `target_parameters`
+    adapts the parameter: `lora_a` `[e, r, in]` and `lora_b` `[e, out, r]`, adding `scale * (x A_e^T) B_e^T` on the rows
+    routed to expert e, in float32 (the rows routed, never a dense delta of every expert)."""
+
+    def __init__(self, experts: int, in_features: int, out_features: int, *, axes: tuple[str, str],
+                 layers: int | None, dtype, param_dtype, rngs: nnx.Rngs, grouped: str = "blocks", block: int = 64):
+        shape, names = _stacked(layers, (experts, out_features, in_features), ("experts", *axes))
+        self.weight_shape, self.weight_axes = shape, names
+        self.weight = nnx.Param(INIT_STD * jax.random.normal(rngs.params(), shape, param_dtype), axes=names)
+        self.dtype, self.grouped, self.block = dtype, grouped, block
+        self.lora_a: LoRAParam | None = nnx.data(None)  # set by jaxmodel.lora.apply_lora
+        self.lora_b: LoRAParam | None = nnx.data(None)
+        self.lora_scale = 0.0
+
+    def __call__(self, x_ai: jax.Array, rows: GroupedRows) -> jax.Array:
+        """float32 `[a, out]` for the sorted routed rows `x_ai`."""
+        y_ao = grouped_matmul(x_ai.astype(self.dtype), self.weight[...].astype(self.dtype), rows, self.grouped,
+                              self.block)
+        if self.lora_a is None:
+            return y_ao
+        with jax.named_scope(scopes.LORA):
+            xa_ar = grouped_matmul(x_ai.astype(jnp.float32), self.lora_a[...].astype(jnp.float32), rows, self.grouped,
+                                   self.block)
+            return y_ao + grouped_matmul(xa_ar * self.lora_scale, self.lora_b[...].astype(jnp.float32), rows,
+                                         self.grouped, self.block)
+
+
+class Experts(nnx.Module):
+    """The routed experts' gated MLPs: `gate_up_proj` `[e, 2f, d]` (the gate's rows first) and `down_proj` `[e, d, f]`
+    (`GroupedLinear`s), as transformers 5 holds them (`mlp.experts` of Qwen3-MoE and Mixtral); with `layers=L` a
+    leading `[L]` axis. `grouped` and `block` choose the grouped matmul (`grouped_matmul`)."""
+
+    def __init__(self, config, *, layers: int | None, dtype, param_dtype, rngs: nnx.Rngs, grouped: str = "blocks",
+                 block: int = 64):
+        e, f, d = config.num_experts, config.moe_intermediate_size, config.hidden_size
+        kw = dict(layers=layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs, grouped=grouped, block=block)
+        self.gate_up_proj = GroupedLinear(e, d, 2 * f, axes=("mlp", "embed"), **kw)
+        self.down_proj = GroupedLinear(e, f, d, axes=("embed", "mlp"), **kw)
+        self.num_experts, self.activation, self.dtype = e, config.hidden_act, dtype
+
+    def __call__(self, x_td: jax.Array, weights_tk: jax.Array, experts_tk: jax.Array) -> jax.Array:
+        """Each token's weighted sum of its experts' outputs, float32 `[t, d]`."""
+        return _gated_experts(x_td, weights_tk, experts_tk, self.gate_up_proj, self.down_proj, self.num_experts,
+                              self.dtype, self.activation)
+
+
 class SparseMoeBlock(nnx.Module):
-    """A sparse layer's MLP: the router `gate` (`[e, d]`, a Linear) and the routed experts' fused `gate_up_proj`
-    `[e, 2f, d]` (the gate's rows first) and `down_proj` `[e, d, f]`, transformers 5's layout of Qwen3-MoE's `mlp`
-    and Mixtral's `block_sparse_moe`; with `layers=L` every parameter has a leading `[L]` axis. `grouped` and `block`
-    choose the grouped matmul (`grouped_matmul`)."""
+    """A sparse layer's MLP: the router `gate` (`[e, d]`, a Linear) choosing each token's experts (`route`) and the
+    `experts` (`Experts`), transformers 5's `mlp` of Qwen3-MoE and Mixtral."""
 
     def __init__(self, config, *, layers: int | None, dtype, param_dtype, rngs: nnx.Rngs, grouped: str = "blocks",
                  block: int = 64):
         c = config
-        e, f, d = c.num_experts, c.moe_intermediate_size, c.hidden_size
-        self.gate = Linear(d, e, axes=("experts", "embed"), layers=layers, dtype=dtype, param_dtype=param_dtype,
-                           rngs=rngs)
-
-        def stacked(shape, axes):
-            shape, axes = _stacked(layers, shape, axes)
-            return nnx.Param(INIT_STD * jax.random.normal(rngs.params(), shape, param_dtype), axes=axes)
-
-        self.gate_up_proj = stacked((e, 2 * f, d), ("experts", "mlp", "embed"))
-        self.down_proj = stacked((e, d, f), ("experts", "embed", "mlp"))
+        self.gate = Linear(c.hidden_size, c.num_experts, axes=("experts", "embed"), layers=layers, dtype=dtype,
+                           param_dtype=param_dtype, rngs=rngs)
+        self.experts = Experts(c, layers=layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs, grouped=grouped,
+                               block=block)
         self.top_k, self.normalize, self.round_weights = c.num_experts_per_tok, c.norm_topk_prob, c.round_router_weights
-        self.activation, self.dtype, self.grouped, self.block = c.hidden_act, dtype, grouped, block
+        self.dtype = dtype
 
-    def __call__(self, x_btd: jax.Array) -> jax.Array:
+    def __call__(self, x_btd: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The block's output `[b, t, d]` and each token's experts `[b, t, k]` (int32, largest weight first)."""
         b, t, d = x_btd.shape
         x_td = x_btd.reshape(b * t, d)
         weights_tk, experts_tk = route(self.gate(x_td), self.top_k, self.normalize)
         if self.round_weights:  # as transformers' Qwen3-MoE router casts them to the hidden states' dtype
             weights_tk = weights_tk.astype(self.dtype).astype(jnp.float32)
-        y_td = routed_experts(x_td, weights_tk, experts_tk, self.gate_up_proj[...].astype(self.dtype),
-                              self.down_proj[...].astype(self.dtype), self.activation, self.grouped, self.block)
-        return y_td.astype(self.dtype).reshape(b, t, d)
+        y_btd = self.experts(x_td, weights_tk, experts_tk).astype(self.dtype).reshape(b, t, d)
+        return y_btd, experts_tk.reshape(b, t, -1)
 
 
 def reference_experts(x_td: np.ndarray, weights_tk: np.ndarray, experts_tk: np.ndarray, gate_up_efd: np.ndarray,

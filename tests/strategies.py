@@ -108,3 +108,25 @@ def _gemma3(draw, config: dict) -> dict:
     config["hidden_activation"] = draw(st.sampled_from(["gelu_pytorch_tanh", "silu"]))
     config["attention_bias"] = draw(st.booleans())
     return config
+
+
+@st.composite
+def moe_configs(draw, model_type: str, max_layers: int = 3) -> dict:
+    """A transformers config dict of a mixture of experts ("qwen3_moe", "mixtral"): 2-6 experts, 1-4 of them a
+    token, Qwen3-MoE's `norm_topk_prob` either way and its dense layers (`mlp_only_layers`, `decoder_sparse_step`)
+    mixed with the sparse ones, over drawn attention shapes (Qwen3-MoE's window on every layer or none)."""
+    base = draw(llama_configs(max_layers=max_layers))
+    config = {k: v for k, v in base.items() if k not in ("attention_bias", "mlp_bias", "rope_parameters")}
+    config.update(model_type=model_type, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    experts = draw(st.integers(2, 6))
+    config["num_experts_per_tok"] = draw(st.integers(1, min(4, experts)))
+    window = draw(st.one_of(st.none(), st.integers(1, 40)))
+    config["sliding_window"] = window
+    if model_type == "mixtral":
+        return {**config, "num_local_experts": experts}
+    layers = config["num_hidden_layers"]
+    config.update(num_experts=experts, moe_intermediate_size=draw(st.integers(4, 40)),
+                  norm_topk_prob=draw(st.booleans()), attention_bias=draw(st.booleans()),
+                  use_sliding_window=window is not None, decoder_sparse_step=draw(st.sampled_from([1, 1, 2])),
+                  mlp_only_layers=draw(st.lists(st.integers(0, layers - 1), max_size=layers - 1, unique=True)))
+    return config

@@ -137,3 +137,9 @@ def test_lora_b_is_split_over_fsdp_even_when_the_rank_is_not(rank, expected_b):
     # A [in, r] of a layer whose input is on mp (down_proj) takes fsdp on its input dimension
     down_a = model.layers.mlp.down_proj.lora_a
     assert partition_spec(down_a.get_metadata()["axes"], down_a[...].shape, mesh) == P(None, ("mp", "fsdp"), None)
+
+
+def test_experts_take_no_lora_dropout_as_peft_gives_them_none():
+    with pytest.raises(ValueError, match="LoRA dropout 0.1 on the experts: PEFT adapts them without dropout"):
+        LoraConfig(targets=("q_proj", "experts.down_proj"), dropout=0.1)
+    assert LoraConfig(targets=("q_proj",), dropout=0.1).dropout == 0.1

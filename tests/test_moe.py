@@ -180,9 +180,9 @@ def test_the_sparse_block_module_equals_transformers(family, normalize, grouped)
     ours = SparseMoeBlock(config, layers=None, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0),
                           grouped=grouped, block=4)
     ours.gate.weight.set_value(jnp.asarray(block.gate.weight.detach().numpy()))
-    ours.gate_up_proj.set_value(jnp.asarray(block.experts.gate_up_proj.detach().numpy()))
-    ours.down_proj.set_value(jnp.asarray(block.experts.down_proj.detach().numpy()))
-    got = np.asarray(nnx.jit(lambda m, x: m(x))(ours, jnp.asarray(x.numpy())))
+    ours.experts.gate_up_proj.weight.set_value(jnp.asarray(block.experts.gate_up_proj.detach().numpy()))
+    ours.experts.down_proj.weight.set_value(jnp.asarray(block.experts.down_proj.detach().numpy()))
+    got = np.asarray(nnx.jit(lambda m, x: m(x)[0])(ours, jnp.asarray(x.numpy())))
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
@@ -199,3 +199,27 @@ def test_an_impossible_expert_config_is_refused_naming_its_field(fields, message
                   num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=12)
     with pytest.raises(ConfigError, match=f"^{message}$"):
         ModelConfig(**{**values, **fields})
+
+
+@pytest.mark.parametrize("grouped", GROUPED_MATMULS)
+def test_an_experts_lora_adds_its_own_experts_low_rank_delta_on_each_row(grouped):
+    from flax import nnx
+
+    from jaxmodel.layers import LoRAParam
+    from jaxmodel.moe import GroupedLinear
+
+    rng = np.random.default_rng(3)
+    t, e, k, i, o, r, scale = 12, 5, 2, 6, 7, 3, 1.5
+    weights, experts = _routing(rng, t, e, k)
+    rows = group_rows(jnp.asarray(experts), e)
+    x = rng.standard_normal((t * k, i)).astype(np.float32)
+    linear = GroupedLinear(e, i, o, axes=("mlp", "embed"), layers=None, dtype=jnp.float32, param_dtype=jnp.float32,
+                           rngs=nnx.Rngs(0), grouped=grouped, block=4)
+    w, a, b = rng.standard_normal((e, o, i)), rng.standard_normal((e, r, i)), rng.standard_normal((e, o, r))
+    linear.weight.set_value(jnp.asarray(w, jnp.float32))
+    linear.lora_a, linear.lora_b = LoRAParam(jnp.asarray(a, jnp.float32)), LoRAParam(jnp.asarray(b, jnp.float32))
+    linear.lora_scale = scale
+    got = np.asarray(linear(jnp.asarray(x), rows))
+    expert_a = np.asarray(rows.expert_a)
+    expected = np.stack([x[j] @ (w[ex] + scale * b[ex] @ a[ex]).T for j, ex in enumerate(expert_a)])
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()

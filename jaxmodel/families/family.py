@@ -22,7 +22,11 @@ class Family:
     names of transformers' class (which PEFT and vLLM adapters use) differ from its checkpoint's tensor names, as
     (checkpoint prefix, module prefix) pairs; and `other_tensors`: a regex of the checkpoint's tensors outside the
     decoder (the vision tower), which conversion leaves out; `adapter_excludes`: a regex of the class's modules
-    an adapter leaves alone (PEFT's `exclude_modules`), so that its target names match in the decoder only."""
+    an adapter leaves alone (PEFT's `exclude_modules`), so that its target names match in the decoder only.
+
+    A family with mixtures of experts also has `experts`: where each HF tensor of a sparse layer's experts goes in
+    the stacked `[e, ...]` parameters (`ExpertTensor`); its router and every sparse layer's module sit under the
+    `moe_layers` stack (`jaxmodel.formats.hf_names`)."""
 
     model_type: str
     architecture: str  # transformers' class, written into converted and merged configs
@@ -35,6 +39,20 @@ class Family:
     runtime_prefixes: tuple[tuple[str, str], ...] = ()
     other_tensors: str | None = None
     adapter_excludes: str | None = None
+    experts: tuple["ExpertTensor", ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertTensor:
+    """A HF tensor name of a sparse layer's experts (`{i}` the layer, `{e}` the expert) and the JAX parameter it fills:
+    with `{e}`, rows `part` of `parts` equal blocks of expert e's `[out, in]` slice (the gate and up projections are
+    the two halves of the fused gate_up, the gate's first); without, the layer's whole `[e, out, in]` slice (the fused
+    names transformers 5 holds at run time). The first row naming a parameter is the name a merge writes."""
+
+    hf: str
+    jax: str
+    part: int = 0
+    parts: int = 1
 
 
 # transformers' ACT2FN names of the MLP gate's activations the decoder runs (`jaxmodel.layers.ACTIVATIONS`)
@@ -56,6 +74,19 @@ def read_layer_types(fields) -> tuple[bool, ...] | None:
 
 # transformers' MistralConfig and Qwen2/Qwen3Config default, when config.json has no sliding_window (null: none)
 DEFAULT_WINDOW = 4096
+
+
+def read_experts(fields, count: int) -> dict[str, Any]:
+    """The experts' common fields: `count` experts, `num_experts_per_tok` of them a token (a nonzero
+    `router_jitter_noise`, a perturbation of the router in training, refused)."""
+    top_k = fields.positive("num_experts_per_tok")
+    if top_k > count:
+        raise fields.error(f"field 'num_experts_per_tok' ({top_k}) must not exceed the {count} experts")
+    jitter = fields.get("router_jitter_noise", (int, float), 0)
+    if jitter:
+        raise fields.error(f"field 'router_jitter_noise' is {jitter}: training with a perturbed router is not "
+                           "supported (set it to 0)")
+    return dict(num_experts=count, num_experts_per_tok=top_k)
 
 
 def read_window(fields) -> int | None:

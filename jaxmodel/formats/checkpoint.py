@@ -23,9 +23,10 @@ have none, and readers that predate it ignore it.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -60,41 +61,81 @@ def param_specs(config: ModelConfig, param_dtype=jnp.float32,
     }
 
 
+class Piece(NamedTuple):
+    """A HF tensor (`hf_checkpoint.SourceTensor`) and where its values start in its slice, in elements: 0 for a
+    tensor that is the whole slice, an expert's part's first element for an expert's tensor."""
+
+    tensor: object
+    offset: int
+
+
 def hf_tensors_by_param(config: ModelConfig, tensors, source_dir: Path, error: type[Exception]) -> dict[str, dict]:
-    """An HF checkpoint's tensors (`hf_checkpoint.SourceTensor`s) by NNX path and layer (0 for an unstacked
-    parameter), checked against `config`: every tensor a parameter of its shape (known extras such as rotary
-    caches and a multimodal model's vision tower skipped, a tied model's stored head dropped) and every parameter
-    present; `error(message)` else."""
+    """An HF checkpoint's tensors by NNX path and slice (0 for an unstacked parameter), each slice's `Piece`s in
+    order, checked against `config`: every tensor a parameter (or an expert's part) of its shape (known extras such
+    as rotary caches and a multimodal model's vision tower skipped, a tied model's stored head dropped) and every
+    slice filled exactly once, by one tensor or by each of its experts' parts; `error(message)` else."""
     from jaxmodel.formats.hf_names import IGNORED, names_of
 
     expected = param_specs(config)
     names = names_of(config)
-    by_path: dict[str, dict] = {}
+    by_path: dict[str, dict[int, list[Piece]]] = {}
     for t in tensors:
-        mapped = names.hf_to_jax(t.name)
-        if mapped is None:
+        found = names.locate(t.name)
+        if found is None:
             if IGNORED.fullmatch(t.name) or names.is_other(t.name):
                 continue
             raise error(f"{t.file}: unexpected tensor '{t.name}' (not part of a {config.model_type} checkpoint)")
-        path, layer = mapped
+        path, layer = found.path, found.layer
         if path not in expected:
             if path == "lm_head.weight" and config.tie_word_embeddings:
                 continue  # a tied checkpoint that also stores the head: the embedding is the head
             raise error(f"{t.file}: tensor '{t.name}' does not belong to the model config.json describes")
         shape, _ = expected[path]
         slice_shape = shape[1:] if layer is not None else shape
-        if layer is not None and layer >= shape[0]:
-            raise error(f"{t.file}: tensor '{t.name}' is beyond num_hidden_layers={shape[0]}")
+        if layer is not None and (found.hf_layer >= config.num_hidden_layers or layer >= shape[0]):
+            raise error(f"{t.file}: tensor '{t.name}' is beyond num_hidden_layers={config.num_hidden_layers}")
+        offset = 0
+        if found.expert is not None:  # one expert's rows of the [e, out, in] slice
+            experts, rows, cols = slice_shape
+            if found.expert >= experts:
+                raise error(f"{t.file}: tensor '{t.name}' is beyond the {experts} experts config.json implies")
+            slice_shape = (rows // found.parts, cols)
+            offset = (found.expert * rows + found.part * slice_shape[0]) * cols
         if tuple(t.shape) != tuple(slice_shape):
             raise error(f"{t.file}: tensor '{t.name}' has shape {list(t.shape)}, config.json implies {list(slice_shape)}")
-        by_path.setdefault(path, {})[layer or 0] = t
+        by_path.setdefault(path, {}).setdefault(layer or 0, []).append(Piece(t, offset))
     for path, (shape, _) in expected.items():
         stacked = names.is_stacked(path)
         for index in range(shape[0] if stacked else 1):
-            if index not in by_path.get(path, {}):
+            pieces = sorted(by_path.get(path, {}).get(index, []), key=lambda p: p.offset)
+            size = math.prod(shape[1:] if stacked else shape)
+            if not pieces:
                 name = names.jax_to_hf(path, index if stacked else None)
+                if names.expert_tensors(path):
+                    name = names.expert_name(names.expert_tensors(path)[0], index, 0)
                 raise error(f"{source_dir}: missing tensor '{name}', which config.json implies")
+            ends = [p.offset + math.prod(p.tensor.shape) for p in pieces]
+            gap = next((k for k, p in enumerate(pieces) if p.offset != (ends[k - 1] if k else 0)), None)
+            if gap is not None or ends[-1] != size:  # an expert's part missing, or given twice
+                twice = gap is not None and pieces[gap].offset < ends[gap - 1]
+                if twice:
+                    raise error(f"{source_dir}: tensors '{pieces[gap - 1].tensor.name}' and "
+                                f"'{pieces[gap].tensor.name}' both hold part of '{path}' [{index}]")
+                raise error(f"{source_dir}: missing tensor '{_missing_part(names, path, index, shape, pieces)}', "
+                            "which config.json implies")
+            by_path[path][index] = pieces
     return by_path
+
+
+def _missing_part(names, path: str, index: int, shape, pieces: list[Piece]) -> str:
+    """The hub name of the first expert's part of slice `index` of `path` that no piece holds."""
+    experts, rows, cols = shape[1:]
+    held = {p.offset for p in pieces}
+    for expert in range(experts):
+        for row in names.expert_tensors(path):
+            if (expert * rows + row.part * rows // row.parts) * cols not in held:
+                return names.expert_name(row, index, expert)
+    return names.jax_to_hf(path, index)
 
 
 def file_for(path: str) -> str:

@@ -4,6 +4,12 @@ Key names come from the model family's name table (`jaxmodel.formats.hf_names`):
 name in transformers' class (`runtime_module`) + `.lora_A.weight` / `.lora_B.weight`. PEFT stores `lora_A: [r, in]`
 and `lora_B: [out, r]`; the JAX model keeps `A: [in, r]`, `B: [r, out]`, so each is transposed (they are small).
 PEFT loads adapters with `strict=False`, silently skipping unknown keys: the tests compare outputs.
+
+The routed experts' adapters are PEFT's `target_parameters` layout on transformers 5's fused parameters (the
+module `mlp.experts`, its parameters `gate_up_proj` and `down_proj`): `lora_A` `[e * r, in]`, rows expert-major (row
+`e * r + k`), and `lora_B` `[out, e * r]`, columns rank-major (column `k * e_count + e`). PEFT wraps the parameters
+of one module in nested wrappers, gate_up innermost: with both adapted, gate_up's keys are the module's
+`base_layer.lora_A/B` and down's its own `lora_A/B`; with one, that one's are the module's own.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from jaxmodel.errors import UserError
 from jaxmodel.formats.atomic import atomic_directory
 from jaxmodel.formats.hf_names import names_of
 from jaxmodel.formats.io import read_json
-from jaxmodel.lora import LoraConfig, apply_lora, target_linears
+from jaxmodel.lora import EXPERT_TARGETS, LoraConfig, apply_lora, is_expert_projection, target_linears
 from jaxmodel.formats.safetensors_file import DTYPES
 
 PREFIX = "base_model.model."
@@ -36,7 +42,8 @@ class AdapterError(ValueError, UserError):
 
 def peft_tensors(lora: nnx.State, model_config, dtype=np.float32) -> dict[str, np.ndarray]:
     """PEFT's state dict for a LoRA state of a model of `model_config` (a `jaxmodel.config.ModelConfig`): one
-    `[r, in]` A and `[out, r]` B per adapted module and layer."""
+    `[r, in]` A and `[out, r]` B per adapted module and layer; an experts' projection's `[e * r, in]` and
+    `[out, e * r]` per layer."""
     names = names_of(model_config)
     tensors: dict[str, np.ndarray] = {}
     flat = {".".join(map(str, path)): np.asarray(var[...]) for path, var in nnx.to_flat_state(lora)}
@@ -45,12 +52,42 @@ def peft_tensors(lora: nnx.State, model_config, dtype=np.float32) -> dict[str, n
             continue
         module = path[: -len(".lora_a")]
         b = flat[module + ".lora_b"]
+        if is_expert_projection(module):  # [layers, e, r, in] and [layers, e, out, r]
+            for layer in range(a.shape[0]):
+                name = expert_adapter_key(names, module, layer, _adapted_experts(flat, module))
+                tensors[name + ".lora_A.weight"] = expert_a(a[layer]).astype(dtype)
+                tensors[name + ".lora_B.weight"] = expert_b(b[layer]).astype(dtype)
+            continue
         layers = [(i, a[i], b[i]) for i in range(a.shape[0])] if a.ndim == 3 else [(None, a, b)]
         for layer, a_ir, b_ro in layers:
             name = PREFIX + names.runtime_module(module, layer)
             tensors[name + ".lora_A.weight"] = np.ascontiguousarray(a_ir.T).astype(dtype)
             tensors[name + ".lora_B.weight"] = np.ascontiguousarray(b_ro.T).astype(dtype)
     return tensors
+
+
+def expert_a(a_eri: np.ndarray) -> np.ndarray:
+    """One layer's experts' A `[e, r, in]` as PEFT's `lora_A` `[e * r, in]` (row e * r + k)."""
+    return np.ascontiguousarray(a_eri.reshape(-1, a_eri.shape[-1]))
+
+
+def expert_b(b_eor: np.ndarray) -> np.ndarray:
+    """One layer's experts' B `[e, out, r]` as PEFT's `lora_B` `[out, e * r]` (column k * e_count + e)."""
+    return np.ascontiguousarray(b_eor.transpose(1, 2, 0).reshape(b_eor.shape[1], -1))
+
+
+def expert_adapter_key(names, module: str, layer: int, both: bool) -> str:
+    """The PEFT key prefix of an experts' projection's adapter (`module`, e.g. `moe_layers.mlp.experts.down_proj`):
+    the experts module's runtime name, under `base_layer` for gate_up when down is adapted too."""
+    experts, param = module.rsplit(".", 1)
+    inner = both and param == "gate_up_proj"
+    return PREFIX + names.runtime_module(experts, layer) + (".base_layer" if inner else "")
+
+
+def _adapted_experts(flat: Mapping[str, np.ndarray], module: str) -> bool:
+    """Whether both of the experts' projections beside `module` carry adapters."""
+    experts = module.rsplit(".", 1)[0]
+    return all(f"{experts}.{param}.lora_a" in flat for param in ("gate_up_proj", "down_proj"))
 
 
 def adapter_config(lora_config: LoraConfig, base_model: str, revision: str | None = None,
@@ -67,7 +104,8 @@ def adapter_config(lora_config: LoraConfig, base_model: str, revision: str | Non
         "lora_dropout": lora_config.dropout, "lora_ga_config": None, "megatron_config": None,
         "megatron_core": "megatron.core", "modules_to_save": None, "monteclora_config": None, "peft_type": "LORA",
         "peft_version": PEFT_VERSION, "qalora_group_size": 16, "r": lora_config.rank, "rank_pattern": {},
-        "revision": revision, "target_modules": sorted(lora_config.targets), "target_parameters": None,
+        "revision": revision, "target_modules": sorted(set(lora_config.targets) - set(EXPERT_TARGETS)),
+        "target_parameters": sorted(f"mlp.{t}" for t in lora_config.targets if t in EXPERT_TARGETS) or None,
         "task_type": "CAUSAL_LM", "trainable_token_indices": None, "use_bdlora": None, "use_dora": False,
         "use_qalora": False, "use_rslora": lora_config.rslora, "velora_config": None,
     }
@@ -137,9 +175,15 @@ def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, np.ndar
         if raw.get(field, allowed[0]) not in allowed:
             raise AdapterError(f"{config_path}: field '{field}' is {raw[field]!r}; not supported "
                                f"(expected {allowed[0]!r})")
-    targets = raw.get("target_modules")
+    targets = raw.get("target_modules") or []
     if isinstance(targets, str):
         raise AdapterError(f"{config_path}: field 'target_modules' is a regex; an explicit list is supported")
+    parameters = raw.get("target_parameters") or []
+    for name in parameters:
+        if not isinstance(name, str) or ".".join(name.split(".")[-2:]) not in EXPERT_TARGETS:
+            raise AdapterError(f"{config_path}: field 'target_parameters' names {name!r}; supported: the experts' "
+                               f"{', '.join('mlp.' + t for t in EXPERT_TARGETS)}")
+    targets = [*targets, *(".".join(name.split(".")[-2:]) for name in parameters)]
     try:
         lora_config = LoraConfig(rank=int(raw["r"]), alpha=float(raw["lora_alpha"]), targets=tuple(targets),
                                  rslora=bool(raw.get("use_rslora", False)), dropout=float(raw.get("lora_dropout", 0.0)))
@@ -158,7 +202,13 @@ def load_peft_adapter(model, adapter_dir: str | Path):
     where = Path(adapter_dir) / ADAPTER_WEIGHTS
     used = set()
     names = names_of(model.config)
+    adapted = {path for path, _ in target_linears(model, lora_config.targets)}
     for path, linear in target_linears(model, lora_config.targets):
+        if is_expert_projection(path):
+            experts = path.rsplit(".", 1)[0]
+            both = {experts + ".gate_up_proj", experts + ".down_proj"} <= adapted
+            used |= _load_expert_adapter(linear, tensors, names, path, both, where)
+            continue
         a = linear.lora_a[...]
         layers = range(a.shape[0]) if a.ndim == 3 else [None]
         values_a, values_b = [], []
@@ -183,3 +233,28 @@ def load_peft_adapter(model, adapter_dir: str | Path):
         raise AdapterError(f"{where}: tensor '{unused[0]}' does not belong to this model's adapted layers")
     return model
 
+
+
+def _load_expert_adapter(linear, tensors: Mapping[str, np.ndarray], names, path: str, both: bool,
+                         where: Path) -> set[str]:
+    """Set an experts' projection's adapters from PEFT's `target_parameters` tensors; returns the keys used."""
+    a, b = linear.lora_a[...], linear.lora_b[...]
+    experts, rank, in_features = a.shape[-3:]
+    out_features = b.shape[-2]
+    values_a, values_b, used = [], [], set()
+    for layer in range(a.shape[0]):
+        name = expert_adapter_key(names, path, layer, both)
+        try:
+            a_ri, b_or = tensors[name + ".lora_A.weight"], tensors[name + ".lora_B.weight"]
+        except KeyError:
+            raise AdapterError(f"{where}: no '{name}.lora_A/B.weight', which adapter_config.json implies") from None
+        want_a, want_b = (experts * rank, in_features), (out_features, experts * rank)
+        if a_ri.shape != want_a or b_or.shape != want_b:
+            raise AdapterError(f"{where}: '{name}' has lora_A {list(a_ri.shape)} / lora_B {list(b_or.shape)}, "
+                               f"this model needs {list(want_a)} / {list(want_b)} (adapter for another model?)")
+        values_a.append(a_ri.reshape(experts, rank, in_features).astype(np.float32))
+        values_b.append(b_or.reshape(out_features, rank, experts).transpose(2, 0, 1).astype(np.float32))
+        used.update((name + ".lora_A.weight", name + ".lora_B.weight"))
+    linear.lora_a.set_value(np.stack(values_a))
+    linear.lora_b.set_value(np.stack(values_b))
+    return used

@@ -1,0 +1,437 @@
+"""Qwen3-MoE and Mixtral against transformers' own classes (Qwen3MoeForCausalLM, MixtralForCausalLM): config.json read
+as transformers reads it (which layers are sparse, the experts, k, the renormalisation) and written back; the name
+table's per-expert and fused names; checkpoints of either naming converted, a missing or doubled expert named; logits
+on drawn configs with dense and sparse layers mixed (float32; bf16 on the rows whose routing agrees)."""
+
+import json
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+from strategies import moe_configs
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from converter import ConversionError, convert
+from jaxmodel import ModelConfig, load_pretrained
+from jaxmodel.config import ConfigError
+from jaxmodel.formats.hf_names import Location, names_of
+from test_families import hf_model
+from test_parity import BF16_ERROR_RATIO, f32_tolerance, hf_logits, jax_logits
+
+MOE_TYPES = ("qwen3_moe", "mixtral")
+SPARSE_BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock"}
+SHAPE = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 3,
+         "num_attention_heads": 2, "num_key_value_heads": 1, "num_experts_per_tok": 2, "initializer_range": 0.1}
+
+
+def moe_model(config: dict, seed: int = 0, dtype: str = "float32"):
+    """transformers' class for `config`, seeded, its experts computed by the plain loop (its default CPU kernel
+    refuses some small shapes)."""
+    hf = hf_model(config, seed, dtype)
+    hf.set_experts_implementation("eager")
+    return hf
+
+
+def sparse_flags(hf_config) -> tuple[bool, ...]:
+    """Which of transformers' decoder layers hold the experts, from the class it builds (on the meta device)."""
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_config)
+    return tuple(type(layer.mlp).__name__ == SPARSE_BLOCKS[hf_config.model_type] for layer in hf.model.layers)
+
+
+def convert_hf(hf, tmp: Path, fused: bool = False) -> Path:
+    """`hf` saved as transformers saves it (per-expert hub names), or its state dict as it runs (`fused`: the
+    experts' fused parameters), then converted."""
+    source = tmp / "hf"
+    hf.save_pretrained(source)
+    if fused:
+        (source / "model.safetensors").unlink()
+        state = hf.state_dict()
+        if hf.config.tie_word_embeddings:
+            state.pop("lm_head.weight")
+        save_file({k: v.contiguous() for k, v in state.items()}, source / "model.safetensors")
+    convert(source, tmp / "jax", progress=False)
+    return tmp / "jax"
+
+
+# ----------------------------------------------------------------------------------------------------
+# config.json
+
+
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_moe_configs_read_as_transformers_reads_them_and_write_back(model_type, data):
+    raw = data.draw(moe_configs(model_type))
+    config = ModelConfig.from_hf(raw)
+    hf = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
+    flags = sparse_flags(hf)
+    assert (config.sparse_layers or (False,) * config.num_hidden_layers) == flags
+    assert config.num_experts == hf.num_local_experts and config.num_experts_per_tok == hf.num_experts_per_tok
+    assert config.norm_topk_prob == getattr(hf, "norm_topk_prob", True)
+    assert config.moe_intermediate_size == getattr(hf, "moe_intermediate_size", hf.intermediate_size)
+    assert config.round_router_weights == (model_type == "qwen3_moe")
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert config.head_dim == head_dim
+    assert config.layer_windows() == (hf.sliding_window or 0,) * hf.num_hidden_layers
+    written = config.to_hf()
+    assert ModelConfig.from_hf(written) == config
+    again = AutoConfig.for_model(model_type, **{k: v for k, v in written.items() if k != "model_type"})
+    assert sparse_flags(again) == flags
+
+
+def test_the_defaults_are_transformers():
+    shape = {k: v for k, v in SHAPE.items() if k != "num_experts_per_tok"}
+    qwen = ModelConfig.from_hf({"model_type": "qwen3_moe", **shape})
+    hf = AutoConfig.for_model("qwen3_moe", **{**SHAPE, "num_experts_per_tok": 8})
+    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size, qwen.norm_topk_prob) == (
+        hf.num_local_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, hf.norm_topk_prob) == (128, 8, 768, False)
+    assert qwen.head_dim == 8  # hidden / heads, not dense Qwen3's 128
+    mixtral = ModelConfig.from_hf({"model_type": "mixtral", **shape})
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.sliding_window) == (8, 2, None)
+    assert mixtral.sparse_layers == (True,) * 3 and mixtral.moe_intermediate_size == 24
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "mixtral", "router_jitter_noise": 0.1},
+     "field 'router_jitter_noise' is 0.1: training with a perturbed router is not supported (set it to 0)"),
+    ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 5},
+     "field 'num_experts_per_tok' (5) must not exceed the 4 experts"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 0},
+     "field 'num_experts_per_tok' must be a positive integer, got 0"),
+    ({"model_type": "qwen3_moe", "mlp_only_layers": ["0"]}, "field 'mlp_only_layers' must list layer indices"),
+    ({"model_type": "qwen3_moe", "moe_intermediate_size": -1}, "field 'moe_intermediate_size' must be a positive"),
+])
+def test_bad_expert_fields_are_named_in_one_line(change, message):
+    with pytest.raises(ConfigError, match="^config: ") as info:
+        ModelConfig.from_hf({**SHAPE, **change})
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------------
+# names and conversion
+
+
+def test_the_name_table_places_each_experts_tensor_and_each_layers_kind():
+    qwen = names_of(ModelConfig.from_hf({"model_type": "qwen3_moe", **SHAPE, "num_experts": 4,
+                                         "moe_intermediate_size": 8, "mlp_only_layers": [1]}))
+    # layer 1 is dense: slice 0 of `layers`; layers 0 and 2 are slices 0 and 1 of `moe_layers`
+    assert qwen.hf_to_jax("model.layers.1.mlp.up_proj.weight") == ("layers.mlp.up_proj.weight", 0)
+    assert qwen.hf_to_jax("model.layers.2.self_attn.q_norm.weight") == ("moe_layers.self_attn.q_norm.weight", 1)
+    assert qwen.hf_to_jax("model.layers.1.self_attn.q_norm.weight") == ("layers.self_attn.q_norm.weight", 0)
+    assert qwen.hf_to_jax("model.layers.2.mlp.gate.weight") == ("moe_layers.mlp.gate.weight", 1)
+    assert qwen.locate("model.layers.2.mlp.experts.3.up_proj.weight") == Location(
+        "moe_layers.mlp.experts.gate_up_proj.weight", 1, 2, 3, 1, 2)
+    assert qwen.locate("model.layers.0.mlp.experts.down_proj") == Location("moe_layers.mlp.experts.down_proj.weight", 0, 0)
+    assert qwen.hf_to_jax("model.layers.1.mlp.gate.weight") is None  # a dense layer has no router
+    assert qwen.hf_to_jax("model.layers.0.mlp.up_proj.weight") is None  # nor a sparse one a dense MLP
+    assert qwen.jax_to_hf("moe_layers.self_attn.o_proj.weight", 1) == "model.layers.2.self_attn.o_proj.weight"
+    assert qwen.jax_to_hf("layers.mlp.down_proj.weight", 0) == "model.layers.1.mlp.down_proj.weight"
+    rows = qwen.expert_tensors("moe_layers.mlp.experts.gate_up_proj.weight")
+    assert [qwen.expert_name(r, 1, 3) for r in rows] == ["model.layers.2.mlp.experts.3.gate_proj.weight",
+                                                         "model.layers.2.mlp.experts.3.up_proj.weight"]
+    mixtral = names_of(ModelConfig.from_hf({"model_type": "mixtral", **SHAPE, "num_local_experts": 4}))
+    assert mixtral.locate("model.layers.2.block_sparse_moe.experts.1.w3.weight") == Location(
+        "moe_layers.mlp.experts.gate_up_proj.weight", 2, 2, 1, 1, 2)
+    assert mixtral.locate("model.layers.0.block_sparse_moe.experts.0.w2.weight").path == \
+        "moe_layers.mlp.experts.down_proj.weight"
+    for name in ("model.layers.1.block_sparse_moe.gate.weight", "model.layers.1.mlp.gate.weight"):
+        assert mixtral.hf_to_jax(name) == ("moe_layers.mlp.gate.weight", 1)
+    assert mixtral.jax_to_hf("moe_layers.mlp.gate.weight", 1) == "model.layers.1.block_sparse_moe.gate.weight"
+    assert mixtral.hf_to_jax("model.layers.0.mlp.gate_proj.weight") is None
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory):
+    """A Qwen3-MoE checkpoint saved by transformers (4 experts, layer 1 dense) and its config."""
+    config = {"model_type": "qwen3_moe", **SHAPE, "num_experts": 4, "moe_intermediate_size": 8,
+              "mlp_only_layers": [1], "norm_topk_prob": True}
+    hf = moe_model(config)
+    out = tmp_path_factory.mktemp("qwen3_moe") / "hf"
+    hf.save_pretrained(out)
+    return out
+
+
+def _rewrite(source: Path, out: Path, change) -> Path:
+    """A copy of checkpoint `source` with its tensors `change(tensors)`d."""
+    from safetensors.torch import load_file
+
+    out.mkdir()
+    (out / "config.json").write_text((source / "config.json").read_text())
+    tensors = change(load_file(source / "model.safetensors"))
+    save_file({k: v.clone() for k, v in tensors.items()}, out / "model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: {k: v for k, v in t.items() if k != "model.layers.2.mlp.experts.3.up_proj.weight"},
+     "missing tensor 'model.layers.2.mlp.experts.3.up_proj.weight', which config.json implies"),
+    (lambda t: {k: v for k, v in t.items() if ".layers.0.mlp.experts." not in k},
+     "missing tensor 'model.layers.0.mlp.experts.0.down_proj.weight', which config.json implies"),
+    (lambda t: {**t, "model.layers.0.mlp.experts.4.up_proj.weight": t["model.layers.0.mlp.experts.0.up_proj.weight"]},
+     "tensor 'model.layers.0.mlp.experts.4.up_proj.weight' is beyond the 4 experts config.json implies"),
+    (lambda t: {**t, "model.layers.0.mlp.experts.down_proj": torch.zeros(4, 16, 8)},
+     "both hold part of 'moe_layers.mlp.experts.down_proj.weight' [0]"),
+    (lambda t: {**t, "model.layers.1.mlp.gate.weight": t["model.layers.0.mlp.gate.weight"]},
+     "unexpected tensor 'model.layers.1.mlp.gate.weight'"),
+    (lambda t: {**t, "model.layers.0.mlp.experts.1.gate_proj.weight": torch.zeros(8, 15)},
+     "tensor 'model.layers.0.mlp.experts.1.gate_proj.weight' has shape [8, 15], config.json implies [8, 16]"),
+])
+def test_a_missing_doubled_or_misshapen_expert_is_named(tiny_qwen3_moe, tmp_path, change, message):
+    source = _rewrite(tiny_qwen3_moe, tmp_path / "bad", change)
+    with pytest.raises(ConversionError) as info:
+        convert(source, tmp_path / "jax", progress=False)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "jax").exists()
+
+
+def test_each_experts_tensor_lands_in_its_part_of_the_stacked_experts(tiny_qwen3_moe, tmp_path):
+    from safetensors.torch import load_file
+
+    convert(tiny_qwen3_moe, tmp_path / "jax", progress=False, verify=True)
+    model = load_pretrained(tmp_path / "jax")
+    tensors = load_file(tiny_qwen3_moe / "model.safetensors")
+    gate_up = np.asarray(model.moe_layers.mlp.experts.gate_up_proj.weight[...])
+    down = np.asarray(model.moe_layers.mlp.experts.down_proj.weight[...])
+    for j, layer in enumerate((0, 2)):
+        for e in range(4):
+            prefix = f"model.layers.{layer}.mlp.experts.{e}."
+            np.testing.assert_array_equal(gate_up[j, e, :8], tensors[prefix + "gate_proj.weight"].numpy())
+            np.testing.assert_array_equal(gate_up[j, e, 8:], tensors[prefix + "up_proj.weight"].numpy())
+            np.testing.assert_array_equal(down[j, e], tensors[prefix + "down_proj.weight"].numpy())
+    np.testing.assert_array_equal(np.asarray(model.layers.mlp.up_proj.weight[0]),
+                                  tensors["model.layers.1.mlp.up_proj.weight"].numpy())
+
+
+def test_a_sparse_dense_sparse_model_equals_transformers_run_by_run(tiny_qwen3_moe, tmp_path):
+    convert(tiny_qwen3_moe, tmp_path / "jax", progress=False)
+    model = load_pretrained(tmp_path / "jax")
+    assert model.config.layer_runs() == ((True, 0, 1), (False, 1, 1), (True, 2, 1))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe, experts_implementation="eager")
+    ids = np.random.default_rng(0).integers(0, 32, (2, 9))
+    expected = hf_logits(hf, ids)
+    assert np.abs(np.asarray(jax_logits(model, jnp.asarray(ids, jnp.int32))) - expected).max() <= \
+        f32_tolerance(expected)
+    np.testing.assert_array_equal(np.asarray(model.routes(jnp.asarray(ids, jnp.int32))), hf_routes(hf, ids))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the model against transformers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_float32_logits_match_transformers(model_type, data):
+    config = data.draw(moe_configs(model_type))
+    seed, fused = data.draw(st.integers(0, 2**16)), data.draw(st.booleans())
+    shape = data.draw(st.tuples(st.integers(1, 3), st.integers(1, 60)))
+    hf = moe_model(config, seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = load_pretrained(convert_hf(hf, Path(tmp), fused))
+    ids = np.random.default_rng(seed).integers(0, config["vocab_size"], shape)
+    expected = hf_logits(hf, ids)
+    got = np.asarray(jax_logits(model, jnp.asarray(ids, jnp.int32)))
+    assert np.abs(got - expected).max() <= f32_tolerance(expected)
+
+
+def hf_routes(hf, ids) -> np.ndarray:
+    """transformers' experts of each token at each sparse layer, `[sparse layers, b, t, k]`, from its routers."""
+    found = []
+    hooks = [m.register_forward_hook(lambda _, __, out: found.append(out[2])) for name, m in hf.named_modules()
+             if name.endswith("mlp.gate")]
+    with torch.no_grad():
+        hf(torch.tensor(ids))
+    for hook in hooks:
+        hook.remove()
+    return np.stack([r.numpy().reshape(*ids.shape, -1) for r in found])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+@settings(max_examples=3, deadline=None)
+@given(data=st.data())
+def test_bfloat16_logits_match_transformers_where_the_routing_agrees(model_type, data):
+    config = data.draw(moe_configs(model_type, max_layers=2))
+    seed = data.draw(st.integers(0, 2**16))
+    hf = moe_model(config, seed, dtype="bfloat16")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = load_pretrained(convert_hf(hf, Path(tmp)), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    ids = np.random.default_rng(seed).integers(0, config["vocab_size"], (4, 16))
+    theirs = hf_logits(hf, ids)
+    exact_hf = hf.double()
+    with torch.no_grad():
+        exact = exact_hf(torch.tensor(ids)).logits.numpy()
+    got = np.asarray(jax_logits(model, jnp.asarray(ids, jnp.int32)))
+    if model.moe_layers is not None:  # the rows where every token's experts are the float64 run's on both sides
+        exact_routes = np.sort(hf_routes(exact_hf, ids), -1)
+        ours = np.sort(np.asarray(jax.jit(model.routes)(jnp.asarray(ids, jnp.int32))), -1)
+        exact_hf.to(torch.bfloat16)
+        agree = (ours == exact_routes).all((0, 3)) & (np.sort(hf_routes(exact_hf, ids), -1) == exact_routes).all((0, 3))
+        print(f"{model_type}: the experts of {agree.mean():.0%} of tokens agree")
+        rows = agree.all(1)
+        if not rows.any():
+            return
+        got, theirs, exact = got[rows], theirs[rows], exact[rows]
+    floor = 1e-3 * max(1.0, np.abs(exact).max())
+    assert np.abs(got - exact).max() <= BF16_ERROR_RATIO * np.abs(theirs - exact).max() + floor
+
+
+# ----------------------------------------------------------------------------------------------------
+# LoRA on the routed experts, against PEFT's target_parameters
+
+
+def _random_adapters(model, seed: int = 0):
+    """Every LoRA matrix of `model` drawn (B too, so that every adapter changes the output)."""
+    from flax import nnx
+
+    from jaxmodel.layers import LoRAParam
+
+    rng = np.random.default_rng(seed)
+    for _, var in nnx.to_flat_state(nnx.state(model, LoRAParam)):
+        var.set_value(jnp.asarray(0.3 * rng.standard_normal(var.shape), jnp.float32))
+
+
+def _peft_model(source: Path, adapter: Path):
+    from peft import PeftModel
+
+    hf = AutoModelForCausalLM.from_pretrained(source, experts_implementation="eager")
+    return PeftModel.from_pretrained(hf, adapter, is_trainable=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mixtral") / "hf"
+    moe_model({"model_type": "mixtral", **SHAPE, "num_local_experts": 4}).save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, targets", [
+    ("qwen3_moe", ("q_proj", "experts.gate_up_proj", "experts.down_proj")),  # both: gate_up under base_layer
+    ("mixtral", ("experts.down_proj",)),
+    ("mixtral", ("experts.gate_up_proj", "v_proj")),
+])
+def test_an_experts_adapter_serves_in_peft_with_equal_logits_and_gradients(family, targets, tiny_qwen3_moe,
+                                                                         tiny_mixtral, tmp_path):
+    from flax import nnx
+
+    from jaxmodel.layers import LoRAParam
+    from jaxmodel.lora import LoraConfig, apply_lora
+    from jaxmodel.formats.peft_adapter import load_peft_adapter, peft_tensors, save_peft_adapter
+
+    source = tiny_qwen3_moe if family == "qwen3_moe" else tiny_mixtral
+    convert(source, tmp_path / "jax", progress=False)
+    lora_config = LoraConfig(rank=2, alpha=6.0, targets=targets)
+    model = apply_lora(load_pretrained(tmp_path / "jax"), lora_config, rngs=nnx.Rngs(0))
+    _random_adapters(model)
+    save_peft_adapter(tmp_path / "adapter", nnx.state(model, LoRAParam), lora_config, model_config=model.config,
+                      base_model=str(source))
+    peft = _peft_model(source, tmp_path / "adapter")
+    ids = np.random.default_rng(1).integers(0, 32, (2, 11))
+    weights = np.random.default_rng(2).standard_normal((2, 11, 32)).astype(np.float32)
+    logits = peft(torch.tensor(ids)).logits
+    (logits * torch.tensor(weights)).sum().backward()
+    expected = logits.detach().numpy()
+    theirs = {k.replace(".default", ""): p.grad.numpy() for k, p in peft.named_parameters() if p.requires_grad}
+
+    graphdef, lora, rest = nnx.split(model, LoRAParam, ...)
+
+    def loss(lora):
+        out = nnx.merge(graphdef, lora, rest)(jnp.asarray(ids, jnp.int32))
+        return jnp.sum(out * weights), out
+
+    grads, got = jax.jit(jax.grad(loss, has_aux=True))(lora)
+    assert np.abs(np.asarray(got) - expected).max() <= f32_tolerance(expected)
+    ours = peft_tensors(grads, model.config)
+    assert sorted(ours) == sorted(theirs) and any(".experts." in k for k in ours)
+    for name, grad in ours.items():
+        assert np.abs(grad - theirs[name]).max() <= 1e-4 * max(1.0, np.abs(theirs[name]).max()), name
+    back = load_peft_adapter(load_pretrained(tmp_path / "jax"), tmp_path / "adapter")
+    for (path, mine), (_, read) in zip(nnx.to_flat_state(lora), nnx.to_flat_state(nnx.state(back, LoRAParam))):
+        np.testing.assert_array_equal(np.asarray(read[...]), np.asarray(mine[...]), err_msg=str(path))
+
+
+def test_flops_per_token_count_the_active_experts_and_the_dense_layers():
+    from finetune.step.flops import flops_per_token
+
+    moe = ModelConfig.from_hf({"model_type": "qwen3_moe", **SHAPE, "num_experts": 4, "moe_intermediate_size": 8,
+                               "mlp_only_layers": [1]})
+    dense = ModelConfig.from_hf({"model_type": "qwen3", **{k: v for k, v in SHAPE.items() if "expert" not in k},
+                                 "head_dim": 8})
+    # two sparse layers: the router (16 x 4) and 2 experts' gate, up and down (3 x 16 x 8 each) instead of the
+    # dense MLP (3 x 16 x 24); 4N a token
+    assert flops_per_token(dense, 10) - flops_per_token(moe, 10) == 4 * 2 * (3 * 16 * 24 - 16 * 4 - 2 * 3 * 16 * 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_merge_folds_each_experts_adapter_into_a_checkpoint_of_the_familys_class(family, tiny_qwen3_moe,
+                                                                                  tiny_mixtral, tmp_path):
+    from flax import nnx
+
+    from export.merge import save_merged
+    from jaxmodel.layers import LoRAParam
+    from jaxmodel.lora import LoraConfig, apply_lora
+
+    source = tiny_qwen3_moe if family == "qwen3_moe" else tiny_mixtral
+    convert(source, tmp_path / "jax", progress=False)
+    lora_config = LoraConfig(rank=2, alpha=4.0, targets=("k_proj", "experts.gate_up_proj", "experts.down_proj",
+                                                         *(("down_proj",) if family == "qwen3_moe" else ())))
+    model = apply_lora(load_pretrained(tmp_path / "jax"), lora_config, rngs=nnx.Rngs(0))
+    _random_adapters(model, seed=4)
+    ids = np.random.default_rng(3).integers(0, 32, (2, 10))
+    expected = np.asarray(jax_logits(model, jnp.asarray(ids, jnp.int32)))
+    lora = nnx.state(model, LoRAParam)
+    for base in (tmp_path / "jax", source):  # from the converted checkpoint (per-expert names) and from the HF one
+        out = save_merged(tmp_path / f"merged-{base.name}", base, lora, lora_config)
+        merged = AutoModelForCausalLM.from_pretrained(out, experts_implementation="eager")
+        assert np.abs(hf_logits(merged, ids) - expected).max() <= f32_tolerance(expected), base
+
+
+# ----------------------------------------------------------------------------------------------------
+# training on meshes
+
+
+@pytest.fixture(scope="module")
+def moe_run_checkpoint(tmp_path_factory):
+    """A tiny Qwen3-MoE with a tokenizer (demo/tiny.py: 2 layers, hidden 64; 4 experts, 2 a token, layer 1 dense),
+    converted, the packed rows of the mesh tests, and the loss and LoRA gradients of one plain device."""
+    from demo.tiny import build_tiny_model
+    from test_context_parallel import grads_on, write_packed_data
+
+    root = tmp_path_factory.mktemp("moe-run")
+    hf_dir = build_tiny_model(root / "hf", {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                                            "moe_intermediate_size": 32, "mlp_only_layers": [1],
+                                            "norm_topk_prob": True})
+    convert(hf_dir, root / "jax", progress=False)
+    data = write_packed_data(root / "train.jsonl")
+    reference = grads_on(root / "jax", data, root / "ref", "dp=1,fsdp=1,mp=1", jax.devices()[:1], attention="xla",
+                         loss_chunk=0, mlp_chunk=0, targets=MESH_TARGETS)
+    return root / "jax", data, reference
+
+
+MESH_TARGETS = "q_proj,down_proj,experts.gate_up_proj,experts.down_proj"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, options", [
+    ("dp=1,fsdp=2,cp=4,mp=1", dict(attention="blockwise", loss_chunk=3)),
+    ("dp=2,fsdp=1,cp=2,mp=2", dict(attention="xla")),
+    ("dp=1,fsdp=4,mp=2", dict(attention="xla")),
+])
+def test_same_loss_and_experts_lora_grads_on_a_mesh_as_one_plain_device(tmp_path, moe_run_checkpoint, mesh, options):
+    from test_context_parallel import assert_same, grads_on
+
+    jax_dir, data, reference = moe_run_checkpoint
+    assert any(".experts.gate_up_proj.lora_a" in name for name in reference[2])
+    assert_same(grads_on(jax_dir, data, tmp_path / "mesh", mesh, jax.devices(), targets=MESH_TARGETS, **options),
+                reference)
