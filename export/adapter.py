@@ -69,9 +69,10 @@ def export_adapter(run_dir: str | Path, out: str | Path, *, step: int | None = N
     name, revision = base_reference(run_dir, base_model, note)
     card = {"training steps": step, "learning rate": config.lr, "sequence length": config.seq_len,
             "base quantization in training": base_weights(config.model)}
-    save_peft_adapter(target, lora, config.lora_config(), model_config=run_model_config(run_dir),
+    model_config = run_model_config(run_dir)
+    save_peft_adapter(target, lora, config.lora_config(model_config), model_config=model_config,
                       base_model=name, revision=revision, dtype=dtype, card=card)
-    return Path(out), step, config.lora_config()
+    return Path(out), step, config.lora_config(model_config)
 
 
 def base_weights(converted_dir: str | Path) -> str:
@@ -95,8 +96,9 @@ def export_merged(run_dir: str | Path, out: str | Path, *, step: int | None = No
     _, target = check_export_targets(run_dir, merge=out, overwrite=overwrite, merge_base=merge_base)
     lora, config, step = load_run(run_dir, step)
     name, revision = base_reference(run_dir, base_model, note)
-    card = merged_card(name, revision, Path(run_dir).resolve(), step, config.lora_config())
-    save_merged(target, merge_base_for(config.model, merge_base), lora, config.lora_config(),
+    lora_config = config.lora_config(run_model_config(run_dir))
+    card = merged_card(name, revision, Path(run_dir).resolve(), step, lora_config)
+    save_merged(target, merge_base_for(config.model, merge_base), lora, lora_config,
                 max_shard_size=max_shard_size, name_or_path=name, card=card)
     return Path(out), step
 

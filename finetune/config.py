@@ -36,6 +36,11 @@ SECTIONS = {
 }
 
 
+# `--targets` by default; on a model with experts the default adapts attention and the experts instead
+DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+MOE_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj")
+
+
 # What a `--resume` may do with each option, declared beside the option so that a new option cannot be added
 # without deciding it (finetune/run/policy.py reads these; docs/config.md shows them). `why` is the reason a
 # user sees: what the stored run depends on (Refused), why changing it is harmless (Allowed), or why comparing
@@ -119,8 +124,10 @@ class TrainConfig:
     rank: int = option(8, "LoRA rank r", resume=Refused("the shape of the stored adapters"))
     alpha: float = option(16.0, "LoRA alpha; scale = alpha / r (alpha / sqrt(r) with --rslora)",
                           resume=Refused("the adapters' scale (export writes it from run_config.json)"))
-    targets: str = option("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-                          "comma-separated HF module names to adapt (lm_head is possible, never default)",
+    targets: str = option(DEFAULT_TARGETS,
+                          "comma-separated HF module names to adapt (lm_head is possible, never default); the "
+                          "routed experts are experts.gate_up_proj and experts.down_proj. The default on a model with "
+                          "experts: the attention projections and the experts",
                           resume=Refused("which modules have stored adapters"))
     rslora: bool = option(False, "rank-stabilised LoRA scaling alpha / sqrt(r)",
                           resume=Refused("the adapters' scale (export writes it from run_config.json)"))
@@ -287,11 +294,20 @@ class TrainConfig:
     def target_modules(self) -> tuple[str, ...]:
         return tuple(t.strip() for t in self.targets.split(",") if t.strip())
 
-    def lora_config(self):
+    def lora_config(self, model=None):
+        """The adapters' LoraConfig; `model` (the base's `ModelConfig`) decides what the default targets mean."""
         from jaxmodel.lora import LoraConfig
 
-        return LoraConfig(rank=self.rank, alpha=self.alpha, targets=self.target_modules, rslora=self.rslora,
+        return LoraConfig(rank=self.rank, alpha=self.alpha, targets=self.adapted(model), rslora=self.rslora,
                           dropout=self.lora_dropout)
+
+    def adapted(self, model=None) -> tuple[str, ...]:
+        """The targets for the base `model`: `--targets` as given, or, when left at the default on a model with
+        experts, the attention projections and the experts (a dense MLP's adapter on such a class is one PEFT
+        cannot serve: `jaxmodel.families.Family.unservable_targets`)."""
+        if self.targets == DEFAULT_TARGETS and model is not None and model.num_experts:
+            return MOE_DEFAULT_TARGETS
+        return self.target_modules
 
     def validate(self) -> "TrainConfig":
         """Raise ConfigFileError for values that cannot work, naming the option and what it accepts."""

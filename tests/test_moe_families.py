@@ -91,8 +91,9 @@ def test_the_defaults_are_transformers():
     shape = {k: v for k, v in SHAPE.items() if k != "num_experts_per_tok"}
     qwen = ModelConfig.from_hf({"model_type": "qwen3_moe", **shape})
     hf = AutoConfig.for_model("qwen3_moe", **{**SHAPE, "num_experts_per_tok": 8})
-    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size, qwen.norm_topk_prob) == (
-        hf.num_local_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, hf.norm_topk_prob) == (128, 8, 768, False)
+    ours = (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size, qwen.norm_topk_prob)
+    assert ours == (hf.num_local_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, hf.norm_topk_prob)
+    assert ours == (128, 8, 768, False)
     assert qwen.head_dim == 8  # hidden / heads, not dense Qwen3's 128
     mixtral = ModelConfig.from_hf({"model_type": "mixtral", **shape})
     assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.sliding_window) == (8, 2, None)
@@ -129,7 +130,8 @@ def test_the_name_table_places_each_experts_tensor_and_each_layers_kind():
     assert qwen.hf_to_jax("model.layers.2.mlp.gate.weight") == ("moe_layers.mlp.gate.weight", 1)
     assert qwen.locate("model.layers.2.mlp.experts.3.up_proj.weight") == Location(
         "moe_layers.mlp.experts.gate_up_proj.weight", 1, 2, 3, 1, 2)
-    assert qwen.locate("model.layers.0.mlp.experts.down_proj") == Location("moe_layers.mlp.experts.down_proj.weight", 0, 0)
+    assert qwen.locate("model.layers.0.mlp.experts.down_proj") == Location("moe_layers.mlp.experts.down_proj.weight",
+                                                                           0, 0)
     assert qwen.hf_to_jax("model.layers.1.mlp.gate.weight") is None  # a dense layer has no router
     assert qwen.hf_to_jax("model.layers.0.mlp.up_proj.weight") is None  # nor a sparse one a dense MLP
     assert qwen.jax_to_hf("moe_layers.self_attn.o_proj.weight", 1) == "model.layers.2.self_attn.o_proj.weight"
@@ -435,3 +437,54 @@ def test_same_loss_and_experts_lora_grads_on_a_mesh_as_one_plain_device(tmp_path
     assert any(".experts.gate_up_proj.lora_a" in name for name in reference[2])
     assert_same(grads_on(jax_dir, data, tmp_path / "mesh", mesh, jax.devices(), targets=MESH_TARGETS, **options),
                 reference)
+
+
+def test_the_default_targets_on_a_model_with_experts_are_attention_and_the_experts():
+    from finetune.config import MOE_DEFAULT_TARGETS, TrainConfig
+
+    mixtral = ModelConfig.from_hf({"model_type": "mixtral", **SHAPE, "num_local_experts": 4})
+    dense = ModelConfig.from_hf({"model_type": "mistral", **{k: v for k, v in SHAPE.items() if "expert" not in k}})
+    config = TrainConfig(model="m", data="d")
+    assert config.lora_config(mixtral).targets == MOE_DEFAULT_TARGETS
+    assert config.lora_config(dense).targets == config.lora_config().targets == config.target_modules
+    assert TrainConfig(model="m", data="d", targets="q_proj,experts.down_proj").lora_config(mixtral).targets == (
+        "q_proj", "experts.down_proj")
+
+
+def test_a_dense_layers_mlp_adapter_peft_cannot_attach_is_refused_in_one_line(tiny_qwen3_moe, tmp_path):
+    from flax import nnx
+
+    from jaxmodel.formats.peft_adapter import AdapterError, save_peft_adapter
+    from jaxmodel.layers import LoRAParam
+    from jaxmodel.lora import LoraConfig, apply_lora
+
+    convert(tiny_qwen3_moe, tmp_path / "jax", progress=False)
+    lora_config = LoraConfig(rank=2, targets=("q_proj", "down_proj", "experts.down_proj"))
+    model = apply_lora(load_pretrained(tmp_path / "jax"), lora_config, rngs=nnx.Rngs(0))
+    with pytest.raises(AdapterError) as info:
+        save_peft_adapter(tmp_path / "adapter", nnx.state(model, LoRAParam), lora_config, model_config=model.config,
+                          base_model=str(tiny_qwen3_moe))
+    assert str(info.value) == ("LoRA targets down_proj: PEFT 0.21.2 attaches no adapter to them on Qwen3MoeForCausalLM "
+                               "(it takes those names for the experts), so their adapters would be dropped when it "
+                               "loads the adapter: export a merged checkpoint (--merge) instead, or train without them")
+    assert not (tmp_path / "adapter").exists()
+
+
+@pytest.mark.slow
+def test_a_run_says_at_its_start_which_adapters_peft_cannot_serve(moe_run_checkpoint, tmp_path, capsys):
+    from flax import nnx
+
+    from finetune.config import TrainConfig
+    from finetune.train.build import setup
+
+    jax_dir, data, _ = moe_run_checkpoint
+    for targets, noted in (("q_proj,down_proj,experts.down_proj", True), (None, False)):
+        options = {} if targets is None else {"targets": targets}
+        config = TrainConfig(model=str(jax_dir), data=str(data), out=str(tmp_path / str(noted)), steps=1, batch_size=8,
+                             seq_len=32, dtype="float32", progress=False, **options).validate()
+        run = setup(config, devices=jax.devices()[:1])
+        err = capsys.readouterr().err
+        assert ("finetune-lora: note: LoRA targets down_proj: PEFT 0.21.2 attaches no adapter" in err) == noted
+        adapted = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(run.state.lora)}
+        assert any("experts.gate_up_proj.lora_a" in p for p in adapted) == (targets is None)
+

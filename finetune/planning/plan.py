@@ -261,7 +261,7 @@ def _compile(config: TrainConfig, llama: ModelConfig, mesh, dtype, param_dtype,
             model = CausalLM(llama, dtype=dtype, param_dtype=param_dtype, remat=config.remat,
                                      attention=config.attention_impl(mesh.shape["cp"]), mlp_chunk=config.mlp_chunk,
                                      rules=DEFAULT_RULES, quantization=quantization, rngs=nnx.Rngs(0))
-            return apply_lora(model, config.lora_config(), rngs=nnx.Rngs(0))
+            return apply_lora(model, config.lora_config(llama), rngs=nnx.Rngs(0))
 
         graphdef, lora, base = split_model(nnx.eval_shape(build))
         lora, base = _abstract_on(lora, mesh, DEFAULT_RULES), _abstract_on(base, mesh, DEFAULT_RULES)

@@ -110,7 +110,7 @@ def load_run(run_dir: str | Path, step: int | None = None,
     if step is not None and step not in steps:
         raise RunError(f"{run_dir}: no checkpoint for step {step} (have: {', '.join(map(str, steps))})")
     llama = ModelConfig.from_hf(config.model)
-    lora = lora_template(llama, config.lora_config())
+    lora = lora_template(llama, config.lora_config(llama))
     tx, _ = make_optimizer(config)
     like = TrainState(jnp.int32(0), lora, tx.init(lora), jax.random.key(0))
     checkpoints = RunCheckpoints(run_dir / CHECKPOINTS, keep=config.keep_checkpoints, read_only=True)

@@ -25,7 +25,7 @@ from finetune.step.train_step import DTYPES, TrainState, jit_steps, make_optimiz
 from finetune.train.reference_pass import with_precomputed_reference
 from jaxmodel.config import ModelConfig
 from jaxmodel.formats.checkpoint import read_manifest
-from jaxmodel.formats.peft_adapter import load_peft_adapter, read_adapter
+from jaxmodel.formats.peft_adapter import load_peft_adapter, read_adapter, unservable_message, unservable_targets
 from jaxmodel.lora import apply_lora
 from jaxmodel.pretrained import load_pretrained
 from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, batch_ways, named_sharding
@@ -108,7 +108,12 @@ def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dic
         if config.init_adapter:
             load_peft_adapter(model, config.init_adapter)
         else:
-            apply_lora(model, config.lora_config(), rngs=nnx.Rngs(config.seed))
+            lora_config = config.lora_config(model.config)
+            apply_lora(model, lora_config, rngs=nnx.Rngs(config.seed))
+            unservable = unservable_targets(lora_config, model.config)
+            if main and unservable:
+                print(f"finetune-lora: note: {unservable_message(unservable, model.config)}; export-peft will refuse "
+                      "them (export-peft --merge folds them in)", file=sys.stderr, flush=True)
         graphdef, lora, base = split_model(model)
         lora = _place(lora, mesh, rules)
         # The initial adapter as loaded, frozen: a copy of the adapter only, never donated or trained.

@@ -26,7 +26,9 @@ class Family:
 
     A family with mixtures of experts also has `experts`: where each HF tensor of a sparse layer's experts goes in
     the stacked `[e, ...]` parameters (`ExpertTensor`); its router and every sparse layer's module sit under the
-    `moe_layers` stack (`jaxmodel.formats.hf_names`)."""
+    `moe_layers` stack (`jaxmodel.formats.hf_names`). `unservable_targets` are LoRA targets PEFT cannot attach on
+    the family's class (on Qwen3-MoE it rewrites the MLP's names to the experts, so a dense layer's MLP takes no
+    adapter): a run may train them, an export to PEFT refuses them."""
 
     model_type: str
     architecture: str  # transformers' class, written into converted and merged configs
@@ -40,6 +42,7 @@ class Family:
     other_tensors: str | None = None
     adapter_excludes: str | None = None
     experts: tuple["ExpertTensor", ...] = ()
+    unservable_targets: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,12 +13,14 @@ MODULES = QWEN3_MODULES + (
     ("model.layers.{i}.mlp.gate",     "moe_layers.mlp.gate"),
     ("model.layers.{i}.mlp.experts",  "moe_layers.mlp.experts"),  # the module of the fused experts (adapters' keys)
 )  # fmt: skip
+_HUB = "model.layers.{i}.mlp.experts"
+_JAX = "moe_layers.mlp.experts"
 EXPERTS = (
-    ExpertTensor("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "moe_layers.mlp.experts.gate_up_proj.weight", 0, 2),
-    ExpertTensor("model.layers.{i}.mlp.experts.{e}.up_proj.weight",   "moe_layers.mlp.experts.gate_up_proj.weight", 1, 2),
-    ExpertTensor("model.layers.{i}.mlp.experts.{e}.down_proj.weight", "moe_layers.mlp.experts.down_proj.weight"),
-    ExpertTensor("model.layers.{i}.mlp.experts.gate_up_proj",         "moe_layers.mlp.experts.gate_up_proj.weight"),
-    ExpertTensor("model.layers.{i}.mlp.experts.down_proj",            "moe_layers.mlp.experts.down_proj.weight"),
+    ExpertTensor(_HUB + ".{e}.gate_proj.weight",  _JAX + ".gate_up_proj.weight", 0, 2),
+    ExpertTensor(_HUB + ".{e}.up_proj.weight",    _JAX + ".gate_up_proj.weight", 1, 2),
+    ExpertTensor(_HUB + ".{e}.down_proj.weight",  _JAX + ".down_proj.weight"),
+    ExpertTensor(_HUB + ".gate_up_proj",          _JAX + ".gate_up_proj.weight"),
+    ExpertTensor(_HUB + ".down_proj",             _JAX + ".down_proj.weight"),
 )  # fmt: skip
 
 
@@ -58,4 +60,7 @@ def _write(config) -> dict:
 # transformers' Qwen3MoeConfig values for fields config.json may leave out
 DEFAULTS = (("num_experts_per_tok", 8), ("moe_intermediate_size", 768))
 
-FAMILY = Family("qwen3_moe", "Qwen3MoeForCausalLM", MODULES, _read, _write, defaults=DEFAULTS, experts=EXPERTS)
+# PEFT 0.21.2 rewrites target_modules gate_proj/up_proj/down_proj to the experts on Qwen3MoeForCausalLM: the dense
+# layers' MLPs (mlp_only_layers) take no adapter, and their tensors in an adapter are dropped without a word.
+FAMILY = Family("qwen3_moe", "Qwen3MoeForCausalLM", MODULES, _read, _write, defaults=DEFAULTS, experts=EXPERTS,
+                unservable_targets=("gate_proj", "up_proj", "down_proj"))

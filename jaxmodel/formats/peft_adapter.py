@@ -66,6 +66,17 @@ def peft_tensors(lora: nnx.State, model_config, dtype=np.float32) -> dict[str, n
     return tensors
 
 
+def unservable_targets(lora_config: LoraConfig, model_config) -> list[str]:
+    """The targets of `lora_config` that PEFT cannot attach on the class of `model_config`'s family."""
+    return sorted(set(lora_config.targets) & set(model_config.family.unservable_targets))
+
+
+def unservable_message(targets: list[str], model_config) -> str:
+    return (f"LoRA targets {', '.join(targets)}: PEFT {PEFT_VERSION} attaches no adapter to them on "
+            f"{model_config.family.architecture} (it takes those names for the experts), so their adapters would be "
+            "dropped when it loads the adapter")
+
+
 def expert_a(a_eri: np.ndarray) -> np.ndarray:
     """One layer's experts' A `[e, r, in]` as PEFT's `lora_A` `[e * r, in]` (row e * r + k)."""
     return np.ascontiguousarray(a_eri.reshape(-1, a_eri.shape[-1]))
@@ -122,6 +133,10 @@ def save_peft_adapter(out: str | Path, lora: nnx.State, lora_config: LoraConfig,
 
     if dtype not in EXPORT_DTYPES:
         raise AdapterError(f"--dtype {dtype!r}: expected one of {', '.join(EXPORT_DTYPES)}")
+    unservable = unservable_targets(lora_config, model_config)
+    if unservable:
+        raise AdapterError(unservable_message(unservable, model_config) + ": export a merged checkpoint (--merge) "
+                           "instead, or train without them")
     tensors = peft_tensors(lora, model_config, EXPORT_DTYPES[dtype])
     if not tensors:
         raise AdapterError("no LoRA parameters to export")
