@@ -184,7 +184,7 @@ def _copy(plan: _Plan, tensors: list[SourceTensor], kind: str, tmp: Path, progre
                     for t in (t for t in todo if t.file == file):
                         path, index, start = plan.sources[t.name]
                         if path in plan.quantized:
-                            n = _write_quantized(writer, path, index, t, handle, plan.quantization)
+                            n = _write_quantized(writer, path, index, t, handle, plan.quantization, start)
                             written += n
                             bar.update(n)
                             continue
@@ -209,14 +209,18 @@ def _copy(plan: _Plan, tensors: list[SourceTensor], kind: str, tmp: Path, progre
 
 
 def _write_quantized(writer: CheckpointWriter, path: str, index: int, tensor: SourceTensor, handle,
-                     quantization: Quantization) -> int:
-    """Quantize one source slice chunk by chunk into its `.codes` and `.scales` slices; returns bytes written.
+                     quantization: Quantization, start: int = 0) -> int:
+    """Quantize one source slice (or an expert's part of it, from element `start`) chunk by chunk into its `.codes`
+    and `.scales` slices; returns bytes written.
 
     Blocks run along the flattened weight (the input dimension is a multiple of the block), so each chunk
     of whole blocks gives a contiguous run of codes and of scales: memory stays a few chunks, whatever the
-    tensor's size."""
+    tensor's size; an expert's part, whole rows, is a whole number of blocks at a whole block's offset."""
     module = path.removesuffix(".weight")
-    codes_out, scales_out = writer.open_slice(module + ".codes", index), writer.open_slice(module + ".scales", index)
+    blocks, first = int(np.prod(tensor.shape)) // quantization.block, start // quantization.block
+    codes_bytes = quantization.codes_per_block * quantization.codes_dtype.itemsize
+    codes_out = writer.open_slice(module + ".codes", index, first * codes_bytes, blocks * codes_bytes)
+    scales_out = writer.open_slice(module + ".scales", index, first * 4, blocks * 4)
     where = f"'{tensor.name}' in {tensor.file}"
     for chunk in _whole_blocks(iter_chunks(tensor, handle), quantization.block):
         try:

@@ -64,12 +64,7 @@ class Linear(nnx.Module):
         shape, names = _stacked(layers, (out_features, in_features), axes)
         self.weight_shape, self.weight_axes = shape, names
         self.quantization = quantization
-        if quantization is None:
-            self.weight = nnx.Param(INIT_STD * jax.random.normal(rngs.params(), shape, param_dtype), axes=names)
-            self.codes = self.scales = None
-        else:
-            self.weight = None
-            self.codes, self.scales = _random_quantized(quantization, shape, names, rngs)
+        self.weight, self.codes, self.scales = frozen_weight(shape, names, param_dtype, quantization, rngs)
         if use_bias:
             bshape, bnames = _stacked(layers, (out_features,), axes[:1])
             self.bias = nnx.Param(jnp.zeros(bshape, param_dtype), axes=bnames)
@@ -133,6 +128,14 @@ def _matmul(x_ni: jax.Array, w_oi: jax.Array) -> jax.Array:
                    static_argnums=(3, 4))
 def _dequantized_matmul(x_ni, codes, scales, quantization: Quantization, dtype) -> jax.Array:
     return _matmul(x_ni, dequantize(codes, scales, quantization, dtype))
+
+
+def frozen_weight(shape, axes, param_dtype, quantization: Quantization | None, rngs: nnx.Rngs):
+    """(weight, codes, scales) of a frozen weight of `shape` and logical `axes`: a drawn `weight` (the others None),
+    or with `quantization` drawn `codes` and `scales` (`weight` None)."""
+    if quantization is None:
+        return nnx.Param(INIT_STD * jax.random.normal(rngs.params(), shape, param_dtype), axes=axes), None, None
+    return None, *_random_quantized(quantization, shape, axes, rngs)
 
 
 def _random_quantized(quantization: Quantization, shape, axes, rngs: nnx.Rngs):

@@ -170,7 +170,8 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(config, **kw)
         self.post_attention_layernorm = RMSNorm(d, **norm)
         if sparse:
-            self.mlp = SparseMoeBlock(config, layers=layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            self.mlp = SparseMoeBlock(config, layers=layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                                      quantization=quantization)
         else:
             self.mlp = MLP(config, **kw)
         self.sparse = sparse
@@ -191,7 +192,7 @@ class DecoderLayer(nnx.Module):
         h_btd = x_btd + attn_btd
         experts_btk = None
         if self.sparse:
-            mlp_btd, experts_btk = self.mlp(self.post_attention_layernorm(h_btd))
+            mlp_btd, experts_btk = self.mlp(self.post_attention_layernorm(h_btd), rules)
         else:
             mlp_btd = self.mlp(self.post_attention_layernorm(h_btd), mlp_key, mlp_chunk, rules)
         if self.mlp_output_norm is not None:
@@ -208,7 +209,8 @@ class CausalLM(nnx.Module):
     "xla" (dense scores) or "blockwise" (memory linear in the sequence, `jaxmodel.attention.blockwise_attention`).
     `mlp_chunk` > 0 runs the MLP over chunks of that many positions. Under a mesh with a `cp` axis the sequence
     is split over it (`jaxmodel.context_parallel`). With `quantization`, the seven projections of every layer
-    hold their frozen weights quantized (`jaxmodel.quantization`); embeddings, norms and the LM head do not."""
+    hold their frozen weights quantized (`jaxmodel.quantization`), and a sparse layer's experts theirs; embeddings,
+    norms, routers and the LM head do not."""
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
                  attention: str = "xla", mlp_chunk: int = 0, rules: Rules = DEFAULT_RULES,

@@ -514,7 +514,8 @@ def test_a_multimodal_gemma3_converts_its_decoder_and_its_adapter_serves_in_peft
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen2.5-72b", "gemma-3-27b"])  # biases; a multimodal file, sandwich and q/k norms
+@pytest.mark.parametrize("name", ["qwen2.5-72b", "gemma-3-27b",  # biases; a multimodal file, sandwich and q/k norms
+                                  "qwen3-30b-a3b", "mixtral-8x22b"])  # experts (router, fused gate_up and down)
 def test_a_published_config_plans_transformers_parameter_count(name, tmp_path, default_allocator):
     """`--plan --model-config` on the published configs the docs plan (bench/configs): the frozen parameters it
     counts are those of transformers' own causal-LM class built from the same file (a multimodal config's text

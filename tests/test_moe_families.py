@@ -488,3 +488,81 @@ def test_a_run_says_at_its_start_which_adapters_peft_cannot_serve(moe_run_checkp
         adapted = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(run.state.lora)}
         assert any("experts.gate_up_proj.lora_a" in p for p in adapted) == (targets is None)
 
+
+
+@pytest.mark.parametrize("scheme", ["nf4", "int8"])
+def test_a_quantized_conversion_quantizes_each_expert_as_the_in_memory_model_does(tiny_qwen3_moe, tmp_path, scheme):
+    """Every expert's part quantized as it streams (its codes and scales at its offset), the router unquantized."""
+    from flax import nnx
+
+    from jaxmodel.model import quantize_model
+    from jaxmodel.quantization import Quantization
+
+    convert(tiny_qwen3_moe, tmp_path / "jax", progress=False)
+    convert(tiny_qwen3_moe, tmp_path / "q", quantize=scheme, quant_block=4, progress=False, verify=True)
+    loaded = load_pretrained(tmp_path / "q")
+    expected = quantize_model(load_pretrained(tmp_path / "jax"), Quantization(scheme, 4))
+    got, want = ({".".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}
+                 for m in (loaded, expected))
+    assert set(got) == set(want)
+    assert {"moe_layers.mlp.experts.gate_up_proj.codes", "moe_layers.mlp.experts.down_proj.scales",
+            "moe_layers.mlp.gate.weight"} <= set(got) and "moe_layers.mlp.experts.down_proj.weight" not in got
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, 32, (2, 12)), jnp.int32)
+    plain = np.asarray(jax_logits(load_pretrained(tmp_path / "jax"), ids))
+    quantized = np.asarray(jax_logits(loaded, ids))
+    np.testing.assert_array_equal(quantized, np.asarray(jax_logits(expected, ids)))
+    assert np.abs(quantized - plain).max() > 0
+
+
+@pytest.mark.slow
+def test_greedy_generation_through_the_kv_cache_equals_transformers(tiny_qwen3_moe, tmp_path):
+    """Left-padded prompts on the sparse-dense-sparse model: the cache is written and read run by run."""
+    from jaxmodel import generate
+
+    convert(tiny_qwen3_moe, tmp_path / "jax", progress=False)
+    model = load_pretrained(tmp_path / "jax")
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe, experts_implementation="eager")
+    lengths, seq, pad = [9, 5], 9, 0
+    ids = np.random.default_rng(6).integers(1, 32, (2, seq))
+    mask = np.array([[0] * (seq - n) + [1] * n for n in lengths])
+    ids = np.where(mask == 1, ids, pad)
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=12,
+                             do_sample=False, eos_token_id=None, pad_token_id=pad).numpy()
+    np.testing.assert_array_equal(generate(model, ids, 12, attention_mask=mask, eos_token_id=(), pad_token_id=pad),
+                                  theirs)
+
+
+@pytest.mark.slow
+def test_an_nf4_base_with_quantized_experts_trains_alike_on_a_mesh_and_one_device(moe_run_checkpoint, tmp_path):
+    from test_context_parallel import assert_same, grads_on
+
+    jax_dir, data, _ = moe_run_checkpoint
+    convert(jax_dir.parent / "hf", tmp_path / "nf4", quantize="nf4", quant_block=16, progress=False)
+    one = grads_on(tmp_path / "nf4", data, tmp_path / "one", "dp=1,fsdp=1,mp=1", jax.devices()[:1], attention="xla",
+                   targets=MESH_TARGETS)
+    assert all(np.isfinite(g).all() for g in one[2].values())
+    assert_same(grads_on(tmp_path / "nf4", data, tmp_path / "mesh", "dp=1,fsdp=4,mp=2", jax.devices(),
+                         attention="xla", targets=MESH_TARGETS), one)
+
+
+@pytest.mark.slow
+def test_a_steps_collectives_do_not_grow_with_the_blocks_of_routed_rows(tmp_path, default_allocator):
+    """On fsdp=8 each device sorts and multiplies its own tokens' rows, the layer's experts gathered once and their
+    adapters' gradients summed once: four times the tokens (four times the blocks) run the same collectives."""
+    from finetune import TrainConfig
+    from finetune.planning.plan import plan
+
+    config = {"model_type": "qwen3_moe", **SHAPE, "hidden_size": 64, "head_dim": 16, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "num_experts": 8, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+              "vocab_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    counts = []
+    for seq in (32, 128):
+        report = plan(TrainConfig(plan=True, model_config=str(tmp_path / "config.json"), mesh="dp=1,fsdp=8,mp=1",
+                                  batch_size=8, seq_len=seq, targets="q_proj,experts.gate_up_proj,experts.down_proj",
+                                  ).validate())
+        counts.append({kind: total["count"] for kind, total in report.cost.collective_totals().items()})
+    assert counts[0] == counts[1] and counts[0]["all-gather"] > 0
