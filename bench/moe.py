@@ -17,16 +17,14 @@ Time only on an idle machine: anything running beside it changes the figures sev
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cli_runs import cpu_description, run_cli, step_seconds, write_text_data  # noqa: E402
+from cli_runs import build_model, cpu_description, run_cli, step_seconds, write_text_data  # noqa: E402
 
 GOAL = 1.5  # the sparse step's time / the dense step's
 SHAPE = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
@@ -37,24 +35,6 @@ MODELS = {
                                                 "num_local_experts": 8, "num_experts_per_tok": 2},
 }
 BATCH, SEQ = 8, 256
-
-_BUILD = r"""
-import json, sys
-from demo.tiny import build_tiny_model
-build_tiny_model(sys.argv[1], json.loads(sys.argv[2]), seed=0)
-"""
-
-
-def converted(workdir: Path, number: int, config: dict) -> Path:
-    hf, out = workdir / f"hf-{number}", workdir / f"converted-{number}"
-    if not (hf / "config.json").is_file():
-        subprocess.run([sys.executable, "-c", _BUILD, str(hf), json.dumps(config)], check=True)
-    if not (out / "jax_checkpoint.json").is_file():
-        run = run_cli(["convert-llama", "--src", hf, "--out", out, "--overwrite", "--no-progress"])
-        if not run.ok:
-            raise SystemExit(f"convert-llama failed: {run.error_lines()}")
-    return out
-
 
 def build_parser() -> argparse.ArgumentParser:
     """This benchmark's options (tests/test_docs_commands.py parses the docs' command lines with it)."""
@@ -69,7 +49,7 @@ def main() -> None:
     args = build_parser().parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    models = {name: converted(workdir, i, config) for i, (name, config) in enumerate(MODELS.items())}
+    models = {name: build_model(workdir, config) for name, config in MODELS.items()}
     steps = max(args.steps, 4)
     data = write_text_data(workdir / f"train-{SEQ}.jsonl", BATCH * SEQ * steps, seed=0, row_words=SEQ - 2)
     times: dict[str, list[float]] = {name: [] for name in models}

@@ -107,25 +107,9 @@ class MergeBase:
     def _hf_tensors(self, found) -> list[BaseTensor]:
         """The HF checkpoint's tensors checked against its config.json, as the converter checks them."""
         by_path = hf_tensors_by_param(self.config, found, self.directory, MergeBaseError)
-        names = names_of(self.config)
-        stacked = names.is_stacked
-        tensors = []
-        for path, layers in by_path.items():
-            for layer, pieces in layers.items():
-                for t, offset in pieces:
-                    part = None
-                    if names.expert_tensors(path) and len(t.shape) == 2:  # an expert's rows of the [e, out, in] slice
-                        rows, cols = t.shape
-                        out = self._expert_rows(path)
-                        part = (offset // (out * cols), offset % (out * cols) // cols, rows)
-                    tensors.append(BaseTensor(t.name, path, layer if stacked(path) else None, np.dtype(t.dtype),
-                                              tuple(t.shape), part))
-        return tensors
-
-    def _expert_rows(self, path: str) -> int:
-        """The output rows of one expert in an experts' parameter."""
-        c = self.config
-        return 2 * c.moe_intermediate_size if path.endswith("gate_up_proj.weight") else c.hidden_size
+        stacked = names_of(self.config).is_stacked
+        return [BaseTensor(t.name, path, layer if stacked(path) else None, np.dtype(t.dtype), tuple(t.shape), part)
+                for path, layers in by_path.items() for layer, pieces in layers.items() for t, _, part in pieces]
 
     def check_matches(self, config: ModelConfig, what: str) -> None:
         """MergeBaseError unless this base has the shapes of `config` (`what` names where that comes from)."""

@@ -63,10 +63,12 @@ def param_specs(config: ModelConfig, param_dtype=jnp.float32,
 
 class Piece(NamedTuple):
     """A HF tensor (`hf_checkpoint.SourceTensor`) and where its values start in its slice, in elements: 0 for a
-    tensor that is the whole slice, an expert's part's first element for an expert's tensor."""
+    tensor that is the whole slice, an expert's part's first element for an expert's tensor, whose `part` is then
+    (expert, first row, rows) of the slice's `[e, out, in]`."""
 
     tensor: object
     offset: int
+    part: tuple[int, int, int] | None = None
 
 
 def hf_tensors_by_param(config: ModelConfig, tensors, source_dir: Path, error: type[Exception]) -> dict[str, dict]:
@@ -94,16 +96,17 @@ def hf_tensors_by_param(config: ModelConfig, tensors, source_dir: Path, error: t
         slice_shape = shape[1:] if layer is not None else shape
         if layer is not None and (found.hf_layer >= config.num_hidden_layers or layer >= shape[0]):
             raise error(f"{t.file}: tensor '{t.name}' is beyond num_hidden_layers={config.num_hidden_layers}")
-        offset = 0
+        offset, part = 0, None
         if found.expert is not None:  # one expert's rows of the [e, out, in] slice
             experts, rows, cols = slice_shape
             if found.expert >= experts:
                 raise error(f"{t.file}: tensor '{t.name}' is beyond the {experts} experts config.json implies")
             slice_shape = (rows // found.parts, cols)
-            offset = (found.expert * rows + found.part * slice_shape[0]) * cols
+            part = (found.expert, found.part * slice_shape[0], slice_shape[0])
+            offset = (found.expert * rows + part[1]) * cols
         if tuple(t.shape) != tuple(slice_shape):
             raise error(f"{t.file}: tensor '{t.name}' has shape {list(t.shape)}, config.json implies {list(slice_shape)}")
-        by_path.setdefault(path, {}).setdefault(layer or 0, []).append(Piece(t, offset))
+        by_path.setdefault(path, {}).setdefault(layer or 0, []).append(Piece(t, offset, part))
     for path, (shape, _) in expected.items():
         stacked = names.is_stacked(path)
         for index in range(shape[0] if stacked else 1):
