@@ -32,9 +32,10 @@ from jax.sharding import PartitionSpec as P
 from jaxmodel import scopes
 from jaxmodel.layers import Linear, LoRAParam, _stacked, frozen_weight, swiglu
 from jaxmodel.quantization import Quantization, dequantize
-from jaxmodel.sharding import DEFAULT_RULES, Rules
+from jaxmodel.sharding import DEFAULT_RULES, Rules, partition_spec
 
 GROUPED_MATMULS = ("blocks", "ragged", "dense")
+BLOCK = 64  # rows of a block of the "blocks" path
 
 
 def route(logits_te: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -50,7 +51,9 @@ def route(logits_te: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array,
 
 class GroupedRows(NamedTuple):
     """The routed rows of a layer's tokens sorted by expert: row `j` of the sorted order is token
-    `token_a[j]`'s route to expert `expert_a[j]`, which `order[j]` numbers in the `[t, k]` routes flattened."""
+    `token_a[j]`'s route to expert `expert_a[j]`, which `order[j]` numbers in the `[t, k]` routes flattened. Under
+    expert parallelism the experts are those held on this device, numbered from 0, and a row whose `expert_a` is
+    their count (`len(group_sizes)`) is a route to an expert held elsewhere: it takes no work and gives nothing."""
 
     order: jax.Array  # [a] int32: flattened route (token * k + slot) of each sorted row
     token_a: jax.Array  # [a] int32
@@ -58,37 +61,162 @@ class GroupedRows(NamedTuple):
     group_sizes: jax.Array  # [e] int32: rows of each expert
 
 
-def group_rows(experts_tk: jax.Array, num_experts: int) -> GroupedRows:
-    """The routes of `experts_tk` sorted by expert (stable: a token's rows keep the token order within an expert)."""
+def group_rows(experts_tk: jax.Array, num_experts: int, first: jax.Array | int = 0,
+               bound: int | None = None) -> GroupedRows:
+    """The routes of `experts_tk` to the `num_experts` experts from `first` on, sorted by expert (stable: a token's
+    rows keep the token order within an expert) and numbered from 0; the routes to other experts sorted after
+    them, and only the first `bound` rows kept (every route by default; a bound of at least the routes that can
+    reach the experts held loses none of theirs, `held_rows`)."""
     t, k = experts_tk.shape
-    flat_a = experts_tk.reshape(-1)
-    order = jnp.argsort(flat_a, stable=True).astype(jnp.int32)
-    group_sizes = jnp.bincount(flat_a, length=num_experts).astype(jnp.int32)
-    return GroupedRows(order, order // k, flat_a[order], group_sizes)
+    held_a = experts_tk.reshape(-1) - first
+    held_a = jnp.where((held_a >= 0) & (held_a < num_experts), held_a, num_experts)
+    order = jnp.argsort(held_a, stable=True).astype(jnp.int32)[:bound]
+    group_sizes = jnp.bincount(held_a, length=num_experts).astype(jnp.int32)  # routes elsewhere not counted
+    return GroupedRows(order, order // k, held_a[order], group_sizes)
+
+
+# Under expert parallelism a device's experts are first given room for this many times the rows a balanced routing
+# sends them; a routing that sends more runs with room for the worst case instead (dropless either way).
+CAPACITY_FACTOR = 2
+
+
+def dispatch_bounds(tokens: int, top_k: int, held: int, ways: int) -> tuple[int, int]:
+    """(the rows a device's `held` experts are first given room for, the most they can receive) when each of the
+    `ways` devices sends `tokens` tokens, `top_k` routes each (`Experts._dispatched`)."""
+    worst = held_rows(ways * tokens, top_k, held)
+    return min(worst, CAPACITY_FACTOR * tokens * top_k), worst
+
+
+def held_rows(tokens: int, top_k: int, held: int) -> int:
+    """The most routed rows `tokens` tokens can send to `held` of the experts: a token's `top_k` experts are
+    distinct, so at most `min(top_k, held)` of them are among those held."""
+    return tokens * min(top_k, held)
 
 
 def grouped_matmul(x_ai: jax.Array, w_eoi: jax.Array, rows: GroupedRows, impl: str = "blocks",
-                   block: int = 64) -> jax.Array:
+                   block: int = BLOCK) -> jax.Array:
     """`x_ai[j] @ w_eoi[expert of row j].T` for the sorted rows `x_ai`, accumulated and returned in float32."""
     if impl == "ragged":
         return jax.lax.ragged_dot(x_ai, jnp.swapaxes(w_eoi, 1, 2), rows.group_sizes,
                                   preferred_element_type=jnp.float32)
     if impl == "dense":
         y_aeo = jnp.einsum("ai,eoi->aeo", x_ai, w_eoi, preferred_element_type=jnp.float32)
-        return jnp.take_along_axis(y_aeo, rows.expert_a[:, None, None], axis=1)[:, 0]
+        expert_a = jnp.minimum(rows.expert_a, w_eoi.shape[0] - 1)  # routes elsewhere: dropped by `combine`
+        return jnp.take_along_axis(y_aeo, expert_a[:, None, None], axis=1)[:, 0]
     if impl != "blocks":
         raise ValueError(f"grouped matmul must be one of {GROUPED_MATMULS}, got {impl!r}")
-    positions, block_expert = _block_layout(rows, block)
-    i, n = x_ai.shape[1], block_expert.shape[0]
-    x_nbi = jnp.zeros((n * block, i), x_ai.dtype).at[positions].set(x_ai).reshape(n, block, i)
+    return _blocks_matmul(x_ai, w_eoi, rows, block)
+
+
+# The "blocks" path has its own VJP so that the loop over the blocks runs without tangents, its products never
+# saved: differentiated through, a remat policy that saves matmul outputs (`dots`) kept every block's product, and
+# each block's slice of the weight, for the backward pass. Its residuals are its inputs; the backward pass walks
+# the blocks again, each block's gradients those of its own product (`jax.vjp`), the weight's summed by expert.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _blocks_matmul(x_ai, w_eoi, rows, block):
+    return _blocks_forward(x_ai, w_eoi, rows, block)
+
+
+def _blocks_matmul_fwd(x_ai, w_eoi, rows, block):
+    w_perturbed = w_eoi.perturbed
+    x_ai, w_eoi, rows = x_ai.value, w_eoi.value, jax.tree.map(lambda v: v.value, rows)
+    # the weight's gradient only for a weight being trained (an adapter's), never for a frozen one
+    return _blocks_forward(x_ai, w_eoi, rows, block), (x_ai, w_eoi, rows, (True,) * w_perturbed)
+
+
+def _blocks_matmul_bwd(block, residuals, dy_ao):
+    x_ai, w_eoi, rows, w_perturbed = residuals
+    positions, block_expert, used = _block_layout(rows, block)
+    (a, i), n, o = x_ai.shape, block_expert.shape[0], w_eoi.shape[1]
+    dy_ao = jnp.zeros((a, o), jnp.float32) if isinstance(dy_ao, jax.custom_derivatives.SymbolicZero) else dy_ao
+    x_nbi = _padded(x_ai, positions, n, block)
+    dy_nbo = _padded(dy_ao.astype(jnp.float32), positions, n, block)
+    varying = tuple(_varying_axes(x_ai) | _varying_axes(w_eoi) | _varying_axes(dy_ao))
+
+    def block_grads(dw_eoi, x_bi, dy_bo, expert):
+        w_oi = jax.lax.dynamic_index_in_dim(w_eoi, expert, axis=0, keepdims=False)
+        _, vjp = jax.vjp(_block_product, x_bi, w_oi)
+        dx_bi, dw_oi = vjp(dy_bo)
+        if w_perturbed:
+            dw_eoi = jax.lax.dynamic_update_index_in_dim(
+                dw_eoi, jax.lax.dynamic_index_in_dim(dw_eoi, expert, 0, keepdims=False) + dw_oi, expert, 0)
+        return dw_eoi, dx_bi
+
+    def skip(dw_eoi, x_bi, dy_bo, expert):
+        return dw_eoi, _varying(jnp.zeros_like(x_bi), varying)
+
+    def step(dw_eoi, xs):
+        x_bi, dy_bo, expert, index = xs
+        with jax.named_scope(scopes.EXPERT_BLOCK):
+            return jax.lax.cond(index < used, block_grads, skip, dw_eoi, x_bi, dy_bo, expert)
+
+    dw0 = _varying(jnp.zeros(w_eoi.shape if w_perturbed else (0,), w_eoi.dtype), varying)
+    dw_eoi, dx_nbi = jax.lax.scan(step, dw0, (x_nbi, dy_nbo, block_expert, jnp.arange(n, dtype=jnp.int32)))
+    dx_ai = dx_nbi.reshape(n * block, i).at[positions].get(mode="fill", fill_value=0)
+    return dx_ai, dw_eoi if w_perturbed else None, None
+
+
+_blocks_matmul.defvjp(_blocks_matmul_fwd, _blocks_matmul_bwd, symbolic_zeros=True)
+
+
+def _block_product(x_bi, w_oi):
+    return jnp.einsum("bi,oi->bo", x_bi, w_oi, preferred_element_type=jnp.float32)
+
+
+def _padded(x_ai, positions, n: int, block: int):
+    """The sorted rows `[a, i]` in the padded layout `[n, block, i]` (`_block_layout`)."""
+    return jnp.zeros((n * block, x_ai.shape[1]), x_ai.dtype).at[positions].set(x_ai, mode="drop").reshape(
+        n, block, -1)
+
+
+def _varying(x, axes: tuple[str, ...]):
+    """`x` marked as differing over the mesh axes `axes` (inside shard_map; as it is without any)."""
+    missing = tuple(a for a in axes if a not in _varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _blocks_forward(x_ai, w_eoi, rows, block):
+    positions, block_expert, used = _block_layout(rows, block)
+    n, o = block_expert.shape[0], w_eoi.shape[1]
+    x_nbi = _padded(x_ai, positions, n, block)
+    varying = tuple(_varying_axes(x_ai) | _varying_axes(w_eoi))  # inside shard_map, as the products are
+
+    def multiply(x_bi, expert):
+        return _block_product(x_bi, jax.lax.dynamic_index_in_dim(w_eoi, expert, axis=0, keepdims=False))
+
+    def skip(x_bi, expert):
+        return _varying(jnp.zeros((block, o), jnp.float32), varying)
 
     def one_block(xs):
-        x_bi, expert = xs
-        w_oi = jax.lax.dynamic_index_in_dim(w_eoi, expert, axis=0, keepdims=False)
-        return jnp.einsum("bi,oi->bo", x_bi, w_oi, preferred_element_type=jnp.float32)
+        x_bi, expert, index = xs
+        # the blocks past the last one holding rows are skipped: the static length is the worst routing's
+        with jax.named_scope(scopes.EXPERT_BLOCK):
+            return jax.lax.cond(index < used, multiply, skip, x_bi, expert)
 
-    y_nbo = jax.lax.map(one_block, (x_nbi, block_expert))
-    return y_nbo.reshape(n * block, -1)[positions]
+    y_nbo = jax.lax.map(one_block, (x_nbi, block_expert, jnp.arange(n, dtype=jnp.int32)))
+    return y_nbo.reshape(n * block, o).at[positions].get(mode="fill", fill_value=0)
+
+
+def _varying_axes(x: jax.Array) -> frozenset[str]:
+    """The mesh axes over which `x` differs from device to device inside `shard_map` (none outside)."""
+    aval = jax.typeof(x)
+    if hasattr(aval, "vma"):  # jax < 0.10
+        return frozenset(aval.vma)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset()
+
+
+def balanced_block_share(tokens: int, top_k: int, num_experts: int, ways: int = 1, block: int = BLOCK) -> float:
+    """The share of a "blocks" loop's blocks that hold rows when each of `ways` devices' `tokens` tokens route
+    evenly over the `num_experts` experts, held `num_experts / ways` a device (`Experts._dispatched`, which then
+    takes its first bound, `dispatch_bounds`; `ways` 1: every device all of them): what a grouped GEMM's work is on
+    average, where the loop's static length is its bound's. Each expert receives `ways * tokens * top_k /
+    num_experts` rows, padded to whole blocks."""
+    held = num_experts // ways
+    rows = dispatch_bounds(tokens, top_k, held, ways)[0] if ways > 1 else tokens * top_k
+    blocks = padded_rows(rows, held, block) // block
+    used = held * math.ceil(ways * tokens * top_k / num_experts / block)
+    return min(1.0, used / blocks)
 
 
 def padded_rows(routed: int, num_experts: int, block: int) -> int:
@@ -96,31 +224,44 @@ def padded_rows(routed: int, num_experts: int, block: int) -> int:
     return -(-(routed + min(num_experts, routed) * (block - 1)) // block) * block
 
 
-def _block_layout(rows: GroupedRows, block: int) -> tuple[jax.Array, jax.Array]:
-    """Where each sorted row goes in the padded layout `[a]`, and the expert of each block `[n]` (blocks past the
-    last expert's hold only zeros and take the last expert)."""
+def _block_layout(rows: GroupedRows, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Where each sorted row goes in the padded layout `[a]` (past its end for a route to an expert held
+    elsewhere), the expert of each block `[n]` (blocks past the last expert's hold only zeros and take the last
+    expert), and how many blocks hold rows."""
     a, e = rows.expert_a.shape[0], rows.group_sizes.shape[0]
     padded_e = -(-rows.group_sizes // block) * block
     start_e = jnp.cumsum(rows.group_sizes) - rows.group_sizes
     padded_start_e = jnp.cumsum(padded_e) - padded_e
-    rank_a = jnp.arange(a, dtype=jnp.int32) - start_e[rows.expert_a]
-    positions = padded_start_e[rows.expert_a] + rank_a
+    held = rows.expert_a < e
+    expert_a = jnp.minimum(rows.expert_a, e - 1)
+    rank_a = jnp.arange(a, dtype=jnp.int32) - start_e[expert_a]
     n = padded_rows(a, e, block) // block
+    positions = jnp.where(held, padded_start_e[expert_a] + rank_a, n * block)
     block_start = jnp.arange(n, dtype=jnp.int32) * block
     block_expert = jnp.searchsorted(jnp.cumsum(padded_e), block_start, side="right")
-    return positions, jnp.minimum(block_expert, e - 1).astype(jnp.int32)
+    return positions, jnp.minimum(block_expert, e - 1).astype(jnp.int32), jnp.sum(padded_e) // block
 
 
 def combine(y_ad: jax.Array, rows: GroupedRows, weights_tk: jax.Array) -> jax.Array:
     """Each token's output `[t, d]`: its routed rows' outputs `y_ad` (sorted) weighted by the router and summed over
-    its `k` experts, in float32."""
+    its `k` experts in slot order, in float32; a route to an expert held elsewhere, or left out of the rows, adds
+    nothing."""
     t, k = weights_tk.shape
-    y_tkd = jnp.zeros_like(y_ad, jnp.float32).at[rows.order].set(y_ad.astype(jnp.float32)).reshape(t, k, -1)
-    return jnp.einsum("tkd,tk->td", y_tkd, weights_tk.astype(jnp.float32))
+    a = y_ad.shape[0]
+    y_ad = jnp.where((rows.expert_a < rows.group_sizes.shape[0])[:, None], y_ad.astype(jnp.float32), 0.0)
+    # each route's sorted row, or one past the rows
+    row_tk = jnp.full((t * k,), a, jnp.int32).at[rows.order].set(jnp.arange(a, dtype=jnp.int32)).reshape(t, k)
+    weights_tk = weights_tk.astype(jnp.float32)
+    # a slot at a time: [t, d] gathered at once, never [t, k, d]
+    out_td = jnp.zeros((t, y_ad.shape[1]), jnp.float32)
+    for slot in range(k):
+        out_td = out_td + y_ad.at[row_tk[:, slot]].get(mode="fill", fill_value=0) * weights_tk[:, slot, None]
+    return out_td
 
 
 def routed_experts(x_td: jax.Array, weights_tk: jax.Array, experts_tk: jax.Array, gate_up_efd: jax.Array,
-                   down_edf: jax.Array, activation: str = "silu", impl: str = "blocks", block: int = 64) -> jax.Array:
+                   down_edf: jax.Array, activation: str = "silu", impl: str = "blocks",
+                   block: int = BLOCK) -> jax.Array:
     """The experts' gated MLPs on the routed rows, weighted and summed per token: float32 `[t, d]`. `gate_up_efd`
     is transformers 5's fused `[e, 2f, d]` (the gate's rows first), `down_edf` `[e, d, f]`; products in the
     weights' dtype are accumulated in float32 and rounded to it (as `jaxmodel.layers.Linear`)."""
@@ -133,9 +274,11 @@ def routed_experts(x_td: jax.Array, weights_tk: jax.Array, experts_tk: jax.Array
                           dtype, activation)
 
 
-def _gated_experts(x_td, weights_tk, experts_tk, gate_up, down, num_experts: int, dtype, activation: str):
-    """`routed_experts` with the two projections as functions of (sorted rows, `GroupedRows`) giving float32."""
-    rows = group_rows(experts_tk, num_experts)
+def _gated_experts(x_td, weights_tk, experts_tk, gate_up, down, num_experts: int, dtype, activation: str,
+                   first: jax.Array | int = 0, bound: int | None = None):
+    """`routed_experts` with the two projections as functions of (sorted rows, `GroupedRows`) giving float32, over
+    the `num_experts` experts from `first` on (`group_rows`)."""
+    rows = group_rows(experts_tk, num_experts, first, bound)
     x_ad = x_td.astype(dtype)[rows.token_a]
     h_a2f = gate_up(x_ad, rows).astype(dtype)
     f = h_a2f.shape[1] // 2
@@ -153,7 +296,7 @@ class GroupedLinear(nnx.Module):
     in float32 (the rows routed, never a dense delta of every expert)."""
 
     def __init__(self, experts: int, in_features: int, out_features: int, *, axes: tuple[str, str],
-                 layers: int | None, dtype, param_dtype, rngs: nnx.Rngs, grouped: str = "blocks", block: int = 64,
+                 layers: int | None, dtype, param_dtype, rngs: nnx.Rngs, grouped: str = "blocks", block: int = BLOCK,
                  quantization: Quantization | None = None):
         shape, names = _stacked(layers, (experts, out_features, in_features), ("experts", *axes))
         self.weight_shape, self.weight_axes = shape, names
@@ -195,7 +338,7 @@ class Experts(nnx.Module):
     leading `[L]` axis. `grouped` and `block` choose the grouped matmul (`grouped_matmul`)."""
 
     def __init__(self, config, *, layers: int | None, dtype, param_dtype, rngs: nnx.Rngs, grouped: str = "blocks",
-                 block: int = 64, quantization: Quantization | None = None):
+                 block: int = BLOCK, quantization: Quantization | None = None):
         e, f, d = config.num_experts, config.moe_intermediate_size, config.hidden_size
         kw = dict(layers=layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs, grouped=grouped, block=block,
                   quantization=quantization)
@@ -208,15 +351,19 @@ class Experts(nnx.Module):
         """Each token's weighted sum of its experts' outputs, float32 `[t, d]`.
 
         Under a mesh each device computes the rows of its own tokens (`shard_map` over the axes the tokens are split
-        over, and over `mp`, which takes its part of each device's tokens): the layer's experts are gathered whole
-        onto every device once (as the fully sharded dense weights are, layer by layer), and the routed rows are
-        sorted and multiplied where their tokens are. Left to the partitioner, the sort over all tokens was
-        replicated and each block of rows reduced its partial products over the split hidden dimension: Qwen3-30B-A3B
-        at 16 x 2048 on fsdp=8 planned 2.0M all-gathers a step."""
+        over, and over `mp`, which takes its part of each device's tokens). Where the rules split the experts over
+        mesh axes the tokens are split over too (`expert_axes`: `fsdp`'s devices own the experts), the devices of
+        those axes gather each other's tokens, each multiplies the rows routed to the experts it holds, and the
+        partial sums go back to their tokens' devices (`_dispatched`); the experts never move. Otherwise the layer's
+        experts are gathered whole onto every device (as the fully sharded dense weights are, layer by layer).
+        Left to the partitioner, the sort over all tokens was replicated and each block of rows reduced its partial
+        products over the split hidden dimension: Qwen3-30B-A3B at 16 x 2048 on fsdp=8 planned 2.0M all-gathers a
+        step."""
         mesh = jax.sharding.get_abstract_mesh()
         axes = () if mesh.empty else _token_axes(mesh, rules, x_td.shape[0])
         if not axes:
             return self._local(x_td, weights_tk, experts_tk)
+        owners = tuple(a for a in expert_axes(mesh, rules, self.num_experts) if a in axes)
         graphdef, state = nnx.split(self)
         mp = mesh.shape.get("mp", 1)
         mp = mp if x_td.shape[0] // math.prod(mesh.shape[a] for a in axes) % mp == 0 else 1
@@ -224,27 +371,111 @@ class Experts(nnx.Module):
         def per_device(state, x_td, weights_tk, experts_tk):
             # The weights and adapters marked as differing per device once, here: their gradients are then summed
             # over the devices once a layer, where left to each use in the blocks loop they were summed at each block.
-            varying = axes + (("mp",) if mp > 1 else ())
-            state = jax.tree.map(lambda v: jax.lax.pcast(v, varying, to="varying"), state)
+            # (Over the experts' owners they differ already: each device holds its own experts.)
+            varying = tuple(a for a in axes if a not in owners) + (("mp",) if mp > 1 else ())
+            if varying:
+                state = jax.tree.map(lambda v: jax.lax.pcast(v, varying, to="varying"), state)
             experts = nnx.merge(graphdef, state)
             if mp == 1:
-                return experts._local(x_td, weights_tk, experts_tk)
+                return experts._dispatched(x_td, weights_tk, experts_tk, owners)
             part = x_td.shape[0] // mp  # mp's devices share this device's tokens
             start = jax.lax.axis_index("mp") * part
-            y_td = experts._local(*(jax.lax.dynamic_slice_in_dim(v, start, part) for v in
-                                    (x_td, weights_tk, experts_tk)))
+            y_td = experts._dispatched(*(jax.lax.dynamic_slice_in_dim(v, start, part) for v in
+                                         (x_td, weights_tk, experts_tk)), owners)
             # put back together as a sum, which leaves the result the same on every mp device (as its spec says),
             # where an all-gather's would count as differing: the bytes of the dense MLP's own mp reduction
             whole = jnp.zeros((x_td.shape[0], y_td.shape[1]), y_td.dtype)
             return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(whole, y_td, start, 0), "mp")
 
         rows = P(axes)
-        return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), rows, rows, rows), out_specs=rows)(
+        return jax.shard_map(per_device, mesh=mesh, in_specs=(P(owners or None), rows, rows, rows), out_specs=rows)(
             state, x_td, weights_tk, experts_tk)
+
+    def _dispatched(self, x_td, weights_tk, experts_tk, owners: tuple[str, ...]):
+        """Inside `shard_map`: this device's tokens' outputs, float32 `[t, d]`, with the experts split over the mesh
+        axes `owners` (each device holding `e / ways` of them, in the order of its index over `owners`).
+
+        The dispatch, dropless and static in shape: the tokens, weights and routes of the `ways` devices gathered
+        (`[ways * t]` rows each), this device's experts' routed rows sorted first and kept up to a bound
+        (`dispatch_bounds`): room for `CAPACITY_FACTOR` times the rows a balanced routing sends them, or, when more
+        are routed to them, for the most they can receive (`ways * t * min(k, e / ways)`), so that no routing drops
+        a row; the blocks past the rows routed are skipped (`grouped_matmul`). Each device's partial sums over the
+        experts it holds are then summed onto the devices whose tokens they are (a reduce-scatter, float32). Per
+        layer and pass: an all-gather of the hidden states and a reduce-scatter of the outputs over `owners`, no
+        collective for the weights."""
+        if not owners:
+            return self._local(x_td, weights_tk, experts_tk)
+        ways = math.prod(jax.lax.axis_size(a) for a in owners)
+        held, tokens, top_k = self.num_experts // ways, x_td.shape[0], weights_tk.shape[1]
+        capacity, worst = dispatch_bounds(tokens, top_k, held, ways)
+        gather = functools.partial(jax.lax.all_gather, axis_name=owners, axis=0, tiled=True)
+        x_td, weights_tk, experts_tk = gather(x_td), gather(weights_tk), gather(experts_tk)
+        first = jax.lax.axis_index(owners) * held
+
+        def held_experts(experts, x_td, weights_tk, experts_tk, first):
+            def rows_of(bound):
+                return lambda: _gated_experts(x_td, weights_tk, experts_tk, experts.gate_up_proj, experts.down_proj,
+                                              held, experts.dtype, experts.activation, first, bound)
+
+            if capacity == worst:
+                return rows_of(worst)()
+            routed_here = jnp.sum((experts_tk >= first) & (experts_tk < first + held))
+            with jax.named_scope(scopes.EXPERT_DISPATCH):
+                return jax.lax.cond(routed_here <= capacity, rows_of(capacity), rows_of(worst))
+
+        graphdef, state = nnx.split(self)
+        # The rows are sized for more than a device's experts receive on average: none of them is kept for the
+        # backward pass, whatever the remat policy (with the worst case's room, `dots` kept the products of every
+        # layer: Qwen3-30B-A3B at 16 x 2048 on fsdp=8 planned 208 GB of temporaries a device, 19 GB with `full`).
+        y_td = recomputed_in_backward(lambda state, *args: held_experts(nnx.merge(graphdef, state), *args),
+                                      state, x_td, weights_tk, experts_tk, first)
+        return jax.lax.psum_scatter(y_td, owners, scatter_dimension=0, tiled=True)
 
     def _local(self, x_td, weights_tk, experts_tk):
         return _gated_experts(x_td, weights_tk, experts_tk, self.gate_up_proj, self.down_proj, self.num_experts,
                               self.dtype, self.activation)
+
+
+def recomputed_in_backward(fn, *args):
+    """`fn(*args)` (one array) whose backward pass computes it again: its residuals are its arguments, nothing it
+    computes inside, whatever the remat policy around it (a policy's choice reaches inside `jax.checkpoint` and
+    loops; not inside a custom VJP's backward). Gradients only for the arguments being differentiated."""
+    leaves, treedef = jax.tree.flatten(args)
+
+    def flat(*leaves):
+        return fn(*jax.tree.unflatten(treedef, leaves))
+
+    @jax.custom_vjp
+    def call(*leaves):
+        return flat(*leaves)
+
+    def forward(*primals):
+        values = [p.value for p in primals]
+        # which arguments are differentiated, held in the residuals' structure (static)
+        return flat(*values), (values, tuple((True,) if p.perturbed else () for p in primals))
+
+    def backward(residuals, dy):
+        values, marks = residuals
+        perturbed = [bool(m) for m in marks]
+        if isinstance(dy, jax.custom_derivatives.SymbolicZero):
+            dy = jnp.zeros(dy.shape, dy.dtype)
+
+        def of_perturbed(*changing):
+            it = iter(changing)
+            return flat(*(next(it) if p else v for v, p in zip(values, perturbed)))
+
+        _, vjp = jax.vjp(of_perturbed, *(v for v, p in zip(values, perturbed) if p))
+        grads = iter(vjp(dy))
+        return tuple(next(grads) if p else None for p in perturbed)
+
+    call.defvjp(forward, backward, symbolic_zeros=True)
+    return call(*leaves)
+
+
+def expert_axes(mesh, rules: Rules, num_experts: int) -> tuple[str, ...]:
+    """The mesh axes the rules split a layer's `num_experts` experts over (their owners); () when none."""
+    entry = partition_spec(("experts",), (num_experts,), mesh, rules)[0]
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 def _token_axes(mesh, rules: Rules, tokens: int) -> tuple[str, ...]:
@@ -266,7 +497,7 @@ class SparseMoeBlock(nnx.Module):
     their weights quantized; the router, small and deciding which experts run, does not."""
 
     def __init__(self, config, *, layers: int | None, dtype, param_dtype, rngs: nnx.Rngs, grouped: str = "blocks",
-                 block: int = 64, quantization: Quantization | None = None):
+                 block: int = BLOCK, quantization: Quantization | None = None):
         c = config
         self.gate = Linear(c.hidden_size, c.num_experts, axes=("experts", "embed"), layers=layers, dtype=dtype,
                            param_dtype=param_dtype, rngs=rngs)

@@ -12,6 +12,12 @@ LORA = "lora"  # a LoRA branch (inside a projection's scope, or the LM head's)
 ROPE = "rope"
 ATTENTION = "attention"  # scores, mask, softmax and the values' weighted sum, without the projections
 SWIGLU = "swiglu"
+# one block of an experts' grouped matmul (jaxmodel/moe.py), run or skipped as its rows are routed: the plan counts
+# the share a balanced routing runs (finetune/planning/hlo_cost.py)
+EXPERT_BLOCK = "expert_block"
+# an expert-parallel dispatch's choice of its rows' bound (jaxmodel/moe.py): the plan counts the first bound's branch,
+# which a balanced routing takes
+EXPERT_DISPATCH = "expert_dispatch"
 LM_HEAD = "lm_head"  # the head's logits and the loss over them (with the head's LoRA, if any)
 OPTIMIZER = "optimizer"
 

@@ -28,6 +28,9 @@ DEFAULT_RULES: Rules = (
     ("kv_heads", "mp"),
     ("mlp", "mp"),
     ("norm", None),
+    # a sparse layer's experts over fsdp's devices, their owners (jaxmodel/moe.py: `Experts`), so that an expert's
+    # weights stay whole on one device; the embed rule then splits its hidden dimension over cp alone
+    ("experts", "fsdp"),
     # B [r, out]: out is on mp, so r carries the fsdp (and cp) split; when they do not divide r, B's out
     # dimension (logical axes (out, "lora_rank"), see jaxmodel/lora.py) takes it instead.
     ("lora_rank", ("fsdp", "cp")),

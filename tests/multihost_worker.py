@@ -29,6 +29,8 @@ CASES = {
     "cp": ("packed.jsonl", "dp=1,fsdp=2,cp=4,mp=1", "sft"),  # test_context_parallel.py
     "dpo": ("pairs.jsonl", "dp=2,fsdp=4,mp=1", "dpo"),  # test_preference_paths.py: the reference in the step,
     "dpo-precomputed": ("pairs.jsonl", "dp=2,fsdp=4,mp=1", "dpo-precomputed"),  # or computed before the steps
+    # test_moe_families.py: the experts held by fsdp's devices across the processes, on OUT/moe (conftest's TINY_MOE)
+    "moe": ("packed.jsonl", "dp=1,fsdp=4,cp=1,mp=2", "sft"),
 }
 
 
@@ -39,6 +41,10 @@ def case(model, out, port, process_id, name):
     if objective.startswith("dpo"):
         preference = {"objective": "dpo", "targets": "q_proj,v_proj", "remat": "none",
                       "precompute_reference": objective == "dpo-precomputed"}
+    if name == "moe":
+        from tiny_moe import MOE_MESH_TARGETS
+
+        model, preference = os.path.join(out, "moe"), {"targets": MOE_MESH_TARGETS}
     config = TrainConfig(model=model, data=os.path.join(out, data), out=os.path.join(out, name), mesh=mesh, steps=1,
                          batch_size=8, seq_len=32, dtype="float32", progress=False, coordinator=f"127.0.0.1:{port}",
                          num_processes=2, process_id=int(process_id), **preference).validate()

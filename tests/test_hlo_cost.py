@@ -181,3 +181,30 @@ def test_parsed_instructions_keep_their_operands_and_called_computations():
     assert loop.called == {"condition": ["outer_cond"], "body": ["outer_body"]}
     assert module.computations["outer_body"]["ar"].operands == ["a.1", "b.1"]
     assert module.computations["inner_body"]["t"].root
+
+
+def test_a_conditional_under_a_scope_with_a_share_counts_its_true_branch_that_share_of_its_runs():
+    """A loop of 8 whose conditional runs a [16,32]x[32,64] dot while the index is below a traced bound: with the
+    share of its scope (a grouped matmul's blocks, jaxmodel/moe.py) the dot counts that share of 8 times, without
+    it every time (each branch counted at each run)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxmodel import scopes
+
+    def step(x, w, used):
+        def body(i, acc):
+            with jax.named_scope(scopes.EXPERT_BLOCK):
+                return acc + jax.lax.cond(i < used, lambda: jnp.sum(x @ w), lambda: 0.0)
+        return jax.lax.fori_loop(0, 8, body, 0.0)
+
+    text = jax.jit(step).lower(jnp.ones((16, 32)), jnp.ones((32, 64)), 3).compile().as_text()
+    dot = 2 * 16 * 32 * 64
+    assert step_cost(text, devices=1).flops == 8 * dot
+    assert step_cost(text, devices=1, shares={scopes.EXPERT_BLOCK: 0.25}).flops == 2 * dot
+    assert step_cost(text, devices=1, shares={"another_scope": 0.25}).flops == 8 * dot
+    # its gradient's conditionals too, named under the transformations (jvp(expert_block), transpose(...))
+    grad = jax.jit(jax.grad(lambda x, w, used: step(x, w, used) ** 2)).lower(
+        jnp.ones((16, 32)), jnp.ones((32, 64)), 3).compile().as_text()
+    every = step_cost(grad, devices=1).flops
+    assert every >= 2 * 8 * dot and step_cost(grad, devices=1, shares={scopes.EXPERT_BLOCK: 0.25}).flops == every / 4

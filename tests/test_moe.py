@@ -223,3 +223,95 @@ def test_an_experts_lora_adds_its_own_experts_low_rank_delta_on_each_row(grouped
     expert_a = np.asarray(rows.expert_a)
     expected = np.stack([x[j] @ (w[ex] + scale * b[ex] @ a[ex]).T for j, ex in enumerate(expert_a)])
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+def _experts_with_adapters(e, k, d, f, seed):
+    """An `Experts` of `e` random experts (hidden `d`, intermediate `f`, `k` a token) with random LoRA adapters."""
+    from flax import nnx
+
+    from jaxmodel import ModelConfig
+    from jaxmodel.layers import LoRAParam
+    from jaxmodel.moe import Experts
+
+    config = ModelConfig(vocab_size=8, hidden_size=d, intermediate_size=2 * f, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=d // 2, num_experts=e,
+                         num_experts_per_tok=k, moe_intermediate_size=f)
+    experts = Experts(config, layers=None, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(seed), block=4)
+    key = jax.random.key(seed)
+    for linear in (experts.gate_up_proj, experts.down_proj):
+        _, out, inp = linear.weight_shape
+        key, ka, kb = jax.random.split(key, 3)
+        linear.lora_a = LoRAParam(jax.random.normal(ka, (e, 2, inp)), axes=("experts", "lora_rank", "embed"))
+        linear.lora_b = LoRAParam(jax.random.normal(kb, (e, out, 2)), axes=("experts", "mlp", "lora_rank"))
+        linear.lora_scale = 0.5
+    return experts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, e, k, skewed", [
+    ("dp=2,fsdp=4,cp=1,mp=1", 8, 3, False),  # two experts a device, fewer than a token's
+    ("dp=1,fsdp=8,cp=1,mp=1", 8, 2, True),  # one a device; every token to experts 0 and 1: the worst routing
+    ("dp=1,fsdp=2,cp=2,mp=2", 4, 2, True),  # mp taking part of each device's tokens, cp's devices alike
+    ("dp=1,fsdp=4,cp=1,mp=2", 12, 4, False),
+])
+def test_experts_held_by_fsdps_devices_give_the_outputs_and_gradients_of_one_device(mesh, e, k, skewed):
+    """The experts split over fsdp, the tokens dispatched to their owners and back: every row reaches its experts
+    (none dropped under the worst routing) and the outputs and the gradients for the hidden states, the router's
+    weights and the adapters are those of one device."""
+    from flax import nnx
+
+    from finetune.step.mesh import make_mesh
+    from jaxmodel.moe import expert_axes
+    from jaxmodel.sharding import DEFAULT_RULES, named_sharding
+
+    t, d, f = 64, 8, 6
+    rng = np.random.default_rng(7)
+    weights, experts_tk = _routing(rng, t, e, k)
+    if skewed:
+        experts_tk = np.tile(np.arange(k, dtype=np.int32), (t, 1))
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    experts = _experts_with_adapters(e, k, d, f, seed=1)
+    graphdef, frozen, lora = nnx.split(experts, nnx.Param, ...)
+
+    def loss(lora, frozen, x, weights):
+        y = nnx.merge(graphdef, frozen, lora)(x, weights, jnp.asarray(experts_tk))
+        return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape))), y
+
+    grad = jax.grad(loss, argnums=(0, 2, 3), has_aux=True)
+    (one_lora, one_x, one_w), one_y = jax.jit(grad)(lora, frozen, jnp.asarray(x), jnp.asarray(weights))
+
+    device_mesh = make_mesh(mesh)
+    assert expert_axes(device_mesh, DEFAULT_RULES, e) == ("fsdp",)
+
+    def place(state):
+        return jax.tree.map(lambda v: v.replace(jax.device_put(v[...], named_sharding(
+            v.get_metadata()["axes"], v.shape, device_mesh))), state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+    with jax.set_mesh(device_mesh):
+        rows = named_sharding(("act_batch", None), (t, 1), device_mesh)
+        placed_lora, placed_frozen = place(lora), place(frozen)
+        assert placed_frozen["gate_up_proj"]["weight"][...].sharding.spec[0] == "fsdp"
+        (got_lora, got_x, got_w), got_y = jax.jit(grad)(placed_lora, placed_frozen, jax.device_put(x, rows),
+                                                        jax.device_put(weights, rows))
+    for got, expected in [(got_y, one_y), (got_x, one_x), (got_w, one_w),
+                          *zip(jax.tree.leaves(got_lora), jax.tree.leaves(one_lora))]:
+        got, expected = np.asarray(got), np.asarray(expected)
+        assert np.abs(expected).max() > 0
+        np.testing.assert_allclose(got, expected, atol=1e-5 * np.abs(expected).max(), rtol=0)
+
+
+@pytest.mark.parametrize("tokens, k, e, ways, block", [(64, 2, 8, 1, 4), (64, 2, 8, 1, 64), (32, 8, 128, 8, 4),
+                                                        (96, 2, 8, 8, 16), (40, 3, 6, 2, 8)])
+def test_the_balanced_share_of_blocks_is_what_a_balanced_routing_runs(tokens, k, e, ways, block):
+    """A routing that gives every expert the same rows (token j to experts jk, ..., jk + k - 1 mod e), laid out for
+    the first device's experts as the dispatch lays it: the share of its blocks that hold rows."""
+    from jaxmodel.moe import _block_layout, balanced_block_share, dispatch_bounds
+
+    gathered, held = ways * tokens, e // ways
+    experts_tk = (np.arange(gathered)[:, None] * k + np.arange(k)) % e
+    assert (np.bincount(experts_tk.ravel(), minlength=e) == gathered * k // e).all()
+    bound = dispatch_bounds(tokens, k, held, ways)[0] if ways > 1 else None
+    assert ways == 1 or held * gathered * k // e <= bound  # within the first bound: the dispatch takes it
+    rows = group_rows(jnp.asarray(experts_tk, jnp.int32), held, 0, bound)
+    _, block_expert, used = _block_layout(rows, block)
+    assert balanced_block_share(tokens, k, e, ways, block) == int(used) / block_expert.shape[0]

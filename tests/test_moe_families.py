@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from strategies import moe_configs
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from tiny_moe import MOE_MESH_TARGETS, TINY_MOE
 from converter import ConversionError, convert
 from jaxmodel import ModelConfig, load_pretrained
 from jaxmodel.config import ConfigError
@@ -411,9 +412,7 @@ def moe_run_checkpoint(tmp_path_factory):
     from test_context_parallel import grads_on, write_packed_data
 
     root = tmp_path_factory.mktemp("moe-run")
-    hf_dir = build_tiny_model(root / "hf", {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
-                                            "moe_intermediate_size": 32, "mlp_only_layers": [1],
-                                            "norm_topk_prob": True})
+    hf_dir = build_tiny_model(root / "hf", TINY_MOE)
     convert(hf_dir, root / "jax", progress=False)
     data = write_packed_data(root / "train.jsonl")
     reference = grads_on(root / "jax", data, root / "ref", "dp=1,fsdp=1,mp=1", jax.devices()[:1], attention="xla",
@@ -421,7 +420,7 @@ def moe_run_checkpoint(tmp_path_factory):
     return root / "jax", data, reference
 
 
-MESH_TARGETS = "q_proj,down_proj,experts.gate_up_proj,experts.down_proj"
+MESH_TARGETS = MOE_MESH_TARGETS
 
 
 @pytest.mark.slow
@@ -536,6 +535,25 @@ def test_greedy_generation_through_the_kv_cache_equals_transformers(tiny_qwen3_m
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_two_processes_holding_the_experts_across_them_match_one_device(two_process_grads, moe_run_checkpoint):
+    """fsdp=4 over 2 processes of 4 devices (mp=2 inside each): each expert on one device, the rows dispatched to
+    it from the other process's devices and back over loopback."""
+    from test_context_parallel import assert_same
+
+    jax_dir, data, reference = moe_run_checkpoint
+    assert (two_process_grads / "packed.jsonl").read_bytes() == data.read_bytes()
+    files = sorted(p.relative_to(jax_dir) for p in jax_dir.rglob("*")
+                   if p.is_file() and p.name != "jax_checkpoint.json")
+    assert any(name.parts[0] == "params" for name in files)
+    for name in files:  # the same model
+        assert (two_process_grads / "moe" / name).read_bytes() == (jax_dir / name).read_bytes(), name
+    got = np.load(two_process_grads / "moe.npz")
+    assert_same((float(got["loss"]), float(got["tokens"]), {k: got[k] for k in got.files if k not in ("loss",
+                                                                                                     "tokens")}),
+                reference)
+
+
 def test_an_nf4_base_with_quantized_experts_trains_alike_on_a_mesh_and_one_device(moe_run_checkpoint, tmp_path):
     from test_context_parallel import assert_same, grads_on
 
@@ -546,6 +564,19 @@ def test_an_nf4_base_with_quantized_experts_trains_alike_on_a_mesh_and_one_devic
     assert all(np.isfinite(g).all() for g in one[2].values())
     assert_same(grads_on(tmp_path / "nf4", data, tmp_path / "mesh", "dp=1,fsdp=4,mp=2", jax.devices(),
                          attention="xla", targets=MESH_TARGETS), one)
+
+
+def test_a_mesh_whose_fsdp_does_not_divide_the_experts_is_refused_in_one_line(tmp_path, capsys):
+    from finetune.cli import main
+
+    config = {"model_type": "mixtral", **SHAPE, "num_local_experts": 6, "num_experts_per_tok": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["--plan", "--model-config", str(tmp_path / "config.json"), "--mesh", "dp=2,fsdp=4,mp=1",
+                 "--batch-size", "8", "--seq-len", "16"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err == ("finetune-lora: error: --mesh fsdp=4 does not divide the model's 6 experts (num_experts): fsdp's "
+                   "devices each hold an equal share of every sparse layer's experts; choose an fsdp that divides "
+                   "them (dp, cp or mp for the other devices)")
 
 
 @pytest.mark.slow
@@ -566,3 +597,22 @@ def test_a_steps_collectives_do_not_grow_with_the_blocks_of_routed_rows(tmp_path
                                   ).validate())
         counts.append({kind: total["count"] for kind, total in report.cost.collective_totals().items()})
     assert counts[0] == counts[1] and counts[0]["all-gather"] > 0
+
+
+@pytest.mark.parametrize("name", ["qwen3-235b-a22b", "mixtral-8x22b"])
+def test_fits_count_of_a_models_weights_is_the_plans_and_its_gathers_leave_the_experts_out(name):
+    """--fit prunes a mesh by the frozen weights a device holds and bounds its time by the weights each layer
+    gathers: every expert counted among the first (as the plan's model holds them), none among the second."""
+    from finetune import TrainConfig
+    from finetune.planning.fit import frozen_bytes
+
+    path = Path(__file__).parent.parent / "bench" / "configs" / f"{name}-config.json"
+    llama = ModelConfig.from_hf(path)
+    stored, gathered = frozen_bytes(TrainConfig(plan=True, model_config=str(path)), llama)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    matmul = sum(p.numel() for n, p in model.named_parameters() if "norm" not in n)
+    assert stored == 2 * matmul
+    e, f, d = llama.num_experts, llama.moe_intermediate_size, llama.hidden_size
+    assert gathered == pytest.approx((stored - 2 * 2 * llama.vocab_size * d) / llama.num_hidden_layers
+                                     - 2 * 3 * e * f * d)

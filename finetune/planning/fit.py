@@ -148,16 +148,24 @@ def settings(config: TrainConfig, mesh: dict[str, int]):
 
 
 def frozen_bytes(config: TrainConfig, llama: ModelConfig) -> tuple[float, float]:
-    """(all of the frozen base's matmul weights, one layer's seven projections), in bytes as the run stores them:
-    quantized projections as their codes and float32 scales; the LM head and embedding in the parameter dtype."""
+    """(all of the frozen base's matmul weights, what a layer gathers over fsdp x cp, on average over the layers),
+    in bytes as the run stores them: quantized projections as their codes and float32 scales; the LM head and
+    embedding in the parameter dtype. A dense layer gathers its seven projections; a sparse one its attention and
+    router, not its experts, which stay on fsdp's devices (jaxmodel/moe.py)."""
     shapes = layer_shapes(llama)
     quantization, _ = plan_quantization(config)
     dtype_bytes = jnp.dtype(param_dtype(config)).itemsize
     per_value = dtype_bytes if quantization is None else \
         (quantization.codes_per_block + 4) / quantization.block  # the codes and a float32 scale a block
-    layer = sum(i * o for name, (i, o) in shapes.items() if name != "lm_head") * per_value
+    attention = sum(math.prod(shapes[name]) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    dense_mlp = sum(math.prod(shapes[name]) for name in ("gate_proj", "up_proj", "down_proj"))
+    router = llama.hidden_size * llama.num_experts
+    experts = 3 * llama.hidden_size * llama.moe_intermediate_size * llama.num_experts
+    sparse = llama.sparse_layers or (False,) * llama.num_hidden_layers
+    stored = sum(attention + (router + experts if s else dense_mlp) for s in sparse) * per_value
+    gathered = sum(attention + (router if s else dense_mlp) for s in sparse) * per_value / llama.num_hidden_layers
     head = math.prod(shapes["lm_head"]) * (1 if llama.tie_word_embeddings else 2) * dtype_bytes  # and embedding
-    return llama.num_hidden_layers * layer + head, layer
+    return stored + head, gathered
 
 
 def lower_bound(config: TrainConfig, llama: ModelConfig, mesh: dict[str, int], device: DeviceModel,

@@ -193,15 +193,18 @@ def trip_count(inst: Instruction) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def step_cost(text: str, devices: int, cpu_16bit: bool = False) -> StepCost:
-    """The costs of one run of the compiled module `text` on each of its `devices` (module docstring)."""
+def step_cost(text: str, devices: int, cpu_16bit: bool = False, shares: dict[str, float] | None = None) -> StepCost:
+    """The costs of one run of the compiled module `text` on each of its `devices` (module docstring). `shares`:
+    for a two-way conditional under a named scope it names (in its op_name), the share of its runs that take the
+    true branch (`jax.lax.cond`'s second); any other conditional counts every branch at each run."""
     module = parse_hlo(text)
     cost = StepCost()
-    _walk(module, module.entry, 1, cost, devices, cpu_16bit)
+    _walk(module, module.entry, 1, cost, devices, cpu_16bit, shares or {})
     return cost
 
 
-def _walk(module: Module, computation: str, times: int, cost: StepCost, devices: int, cpu_16bit: bool) -> None:
+def _walk(module: Module, computation: str, times: float, cost: StepCost, devices: int, cpu_16bit: bool,
+          shares: dict[str, float]) -> None:
     instructions = module.computations[computation]
     for inst in instructions.values():
         if inst.opcode == "while":
@@ -209,18 +212,24 @@ def _walk(module: Module, computation: str, times: int, cost: StepCost, devices:
             if n is None:
                 cost.unknown_trip_counts.append(inst.name)
             for body in inst.called.get("body", []):
-                _walk(module, body, times * (n or 1), cost, devices, cpu_16bit)
+                _walk(module, body, times * (n or 1), cost, devices, cpu_16bit, shares)
             for condition in inst.called.get("condition", []):  # evaluated once more than the body runs
-                _walk(module, condition, times * ((n or 1) + 1), cost, devices, cpu_16bit)
+                _walk(module, condition, times * ((n or 1) + 1), cost, devices, cpu_16bit, shares)
+            continue
+        branches = inst.called.get("branch_computations", []) if inst.opcode == "conditional" else []
+        share = next((v for scope, v in shares.items() if _in_scope(inst.op_name, scope)), None)
+        if share is not None and len(branches) == 2:
+            for branch, runs in zip(branches, (1 - share, share)):  # false, true
+                _walk(module, branch, times * runs, cost, devices, cpu_16bit, shares)
             continue
         if inst.opcode in ("call", "conditional"):
             for key in ("calls", "to_apply", "branch_computations"):
                 for called in inst.called.get(key, []):
-                    _walk(module, called, times, cost, devices, cpu_16bit)
+                    _walk(module, called, times, cost, devices, cpu_16bit, shares)
             continue
         if inst.opcode == "async-start":  # a collective wrapped in an async computation
             for called in inst.called.get("calls", []):
-                _walk(module, called, times, cost, devices, cpu_16bit)
+                _walk(module, called, times, cost, devices, cpu_16bit, shares)
             continue
         kind = _collective_kind(inst.opcode)
         if kind is not None:
@@ -237,6 +246,12 @@ def _walk(module: Module, computation: str, times: int, cost: StepCost, devices:
         cost.flops += flops * times
         cost.bytes += moved * times
         cost.roofline_ops.append((flops, moved, transcendentals, times))
+
+
+def _in_scope(op_name: str, scope: str) -> bool:
+    """Whether `op_name` names `scope` among its parts, as itself or under transformations (`jvp(scope)`,
+    `transpose(jvp(scope))`: the forward, recomputation and gradient of what it computes)."""
+    return any(re.fullmatch(rf"(?:[\w\-]+\()*{re.escape(scope)}\)*", part) for part in op_name.split("/"))
 
 
 def _upcast_from_16_bits(module: Module, inst: Instruction, instructions: dict[str, Instruction]) -> bool:

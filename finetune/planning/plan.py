@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from finetune.config import ConfigFileError, TrainConfig
 from finetune.step.memory import per_device_bytes, sharding_table
 from finetune.step.mesh import make_mesh
-from finetune.step.checks import check_batch_split, check_rank, check_seq_len, layer_shapes
+from finetune.step.checks import check_batch_split, check_experts_split, check_rank, check_seq_len, layer_shapes
 from finetune.step.train_step import (DTYPES, REFERENCE_FIELD, TrainState, batch_keys, jit_steps, make_optimizer,
                                      optimizer_shardings, split_model)
 from finetune.planning.allocator import FRACTION, UsableMemory, fraction_to_fit, usable_memory
@@ -39,9 +39,11 @@ from jaxmodel.config import ModelConfig
 from jaxmodel.formats.checkpoint import MANIFEST, checkpoint_quantization, read_manifest
 from jaxmodel.layers import QuantizedParam
 from jaxmodel.lora import apply_lora
+from jaxmodel import scopes
 from jaxmodel.model import CausalLM
+from jaxmodel.moe import balanced_block_share, expert_axes
 from jaxmodel.quantization import Quantization
-from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, named_sharding
+from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, batch_ways, named_sharding
 
 GB = 1e9
 # Added to the compiler's temporaries: above the largest shortfall of the compiler's total against the measured
@@ -171,6 +173,21 @@ def plan_device_model(config: TrainConfig) -> DeviceModel:
     return default_device_model(jax.devices()[0].device_kind, jax.default_backend())
 
 
+def expert_block_shares(config: TrainConfig, llama: ModelConfig, mesh) -> dict[str, float]:
+    """For `step_cost`: the share of the experts' grouped-matmul blocks that run when the routing is balanced
+    (`jaxmodel.moe.balanced_block_share`), the work a grouped GEMM does, where the compiled loop's length is the
+    worst routing's; {} for a model without experts."""
+    if not llama.num_experts:
+        return {}
+    rows = (2 if config.preference else 1) * config.batch_size // config.grad_accum
+    tokens = rows // batch_ways(mesh, DEFAULT_RULES) * config.seq_len // mesh.shape["cp"]
+    mp = mesh.shape["mp"]
+    tokens = tokens // mp if tokens % mp == 0 else tokens  # mp's devices share a device's tokens
+    ways = math.prod(mesh.shape[a] for a in expert_axes(mesh, DEFAULT_RULES, llama.num_experts))
+    return {scopes.EXPERT_BLOCK: balanced_block_share(tokens, llama.num_experts_per_tok, llama.num_experts, ways),
+            scopes.EXPERT_DISPATCH: 1.0}
+
+
 def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
     """The plan of `config`'s run: its memory per device and its predicted time per step. On a CPU a 16-bit step
     is compiled twice, in float32 for its memory and traffic and as itself for its collectives;
@@ -181,6 +198,7 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
     llama = ModelConfig.from_hf(source)  # a clear error for a missing or malformed config
     mesh = make_mesh(config.mesh)
     check_seq_len(config, llama, mesh)
+    check_experts_split(llama, mesh)
     check_rank(config, llama)
     check_batch_split(config, mesh, DEFAULT_RULES)
     quantization, quantization_source = plan_quantization(config)
@@ -198,7 +216,8 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
     start = time.perf_counter()
     compiled, trees = _compile(config, llama, mesh, dtype, stored, quantization,
                                lower=cpu_bf16_figure or not cpu_16bit)
-    cost = step_cost(compiled.as_text(), mesh.size, cpu_16bit) if compiled is not None else None
+    shares = expert_block_shares(config, llama, mesh)
+    cost = step_cost(compiled.as_text(), mesh.size, cpu_16bit, shares) if compiled is not None else None
     frozen = frozen_parameter_count(trees["base"], quantization)
     lines = [f"model: {source} ({frozen / 1e9:.1f}B frozen parameters, "
              f"{sum(math.prod(x.shape) for x in jax.tree.leaves(trees['lora'])) / 1e6:.1f}M LoRA parameters)"]
@@ -227,7 +246,8 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
                          f"{compiled.memory_analysis().temp_size_in_bytes / GB:.2f} GB (bf16 matmuls upcast to "
                          f"float32); estimate below: the float32 step's, scaled by {itemsize}/4")
             # its ops and their traffic likewise; the collectives stay the bf16 step's own (their dtypes are right)
-            cost = dataclasses.replace(step_cost(f32.as_text(), mesh.size), collectives=cost.collectives)
+            cost = dataclasses.replace(step_cost(f32.as_text(), mesh.size, shares=shares),
+                                       collectives=cost.collectives)
     else:
         temp = float(compiled.memory_analysis().temp_size_in_bytes)
     prediction = None

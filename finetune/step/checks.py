@@ -29,6 +29,15 @@ def check_seq_len(config: TrainConfig, llama: ModelConfig, mesh: Mesh) -> None:
                               "the cp axis holds two equal chunks of every sequence)")
 
 
+def check_experts_split(llama: ModelConfig, mesh: Mesh) -> None:
+    """fsdp's devices each hold an equal share of every sparse layer's experts (jaxmodel/moe.py: `Experts`)."""
+    fsdp = mesh.shape.get("fsdp", 1)
+    if llama.num_experts and llama.num_experts % fsdp:
+        raise ConfigFileError(f"--mesh fsdp={fsdp} does not divide the model's {llama.num_experts} experts "
+                              "(num_experts): fsdp's devices each hold an equal share of every sparse layer's "
+                              "experts; choose an fsdp that divides them (dp, cp or mp for the other devices)")
+
+
 def layer_shapes(llama: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of each linear layer LoRA can adapt, by HF module name."""
     hidden, mlp = llama.hidden_size, llama.intermediate_size

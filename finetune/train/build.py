@@ -18,7 +18,7 @@ from finetune.data.packing import PackedRows
 from finetune.data.pairs import PairRows
 from finetune.data.prepare import pack_data, tokenize_data
 from finetune.step.attention_choice import choose_attention
-from finetune.step.checks import check_batch_split, check_rank, check_seq_len
+from finetune.step.checks import check_batch_split, check_experts_split, check_rank, check_seq_len
 from finetune.step.memory import sharding_table
 from finetune.step.mesh import initialize_distributed, make_mesh
 from finetune.step.train_step import DTYPES, TrainState, jit_steps, make_optimizer, optimizer_shardings, split_model
@@ -84,6 +84,7 @@ def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dic
     read_manifest(model_dir)  # a clear error for a directory that is not a converted checkpoint
     llama = ModelConfig.from_hf(model_dir)
     check_seq_len(config, llama, mesh)
+    check_experts_split(llama, mesh)
     if not config.init_adapter:  # an adapter brings its own rank, checked against the model as it loads
         check_rank(config, llama)
     from transformers import AutoTokenizer
