@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmodel import scopes
 from jaxmodel.layers import Linear, LoRAParam, _stacked, frozen_weight, swiglu
+from jaxmodel.matmul import saved_as_dot
 from jaxmodel.quantization import Quantization, dequantize
 from jaxmodel.sharding import DEFAULT_RULES, Rules, partition_spec
 
@@ -308,20 +309,26 @@ class GroupedLinear(nnx.Module):
         self.lora_scale = 0.0
 
     def __call__(self, x_ai: jax.Array, rows: GroupedRows) -> jax.Array:
-        """float32 `[a, out]` for the sorted routed rows `x_ai`."""
+        """float32 `[a, out]` for the sorted routed rows `x_ai`. The products are named for the `dots` remat
+        policies (`jaxmodel.matmul.saved_as_dot`), as a Linear's are: the blocks path's own VJP hides its matmuls
+        from them, and without the names a layer's backward pass computed its experts' forward again (the
+        experts' part of a Mixtral step 1.4x slower under `dots`). Under expert parallelism nothing of it is saved
+        (`recomputed_in_backward`)."""
         x_ai = x_ai.astype(self.dtype)
         if self.quantization is None:
             y_ao = grouped_matmul(x_ai, self.weight[...].astype(self.dtype), rows, self.grouped, self.block)
         else:
             y_ao = _dequantized_grouped_matmul(x_ai, self.codes[...], self.scales[...], rows, self.quantization,
                                                self.dtype, self.grouped, self.block)
+        y_ao = saved_as_dot(y_ao)
         if self.lora_a is None:
             return y_ao
         with jax.named_scope(scopes.LORA):
             xa_ar = grouped_matmul(x_ai.astype(jnp.float32), self.lora_a[...].astype(jnp.float32), rows, self.grouped,
                                    self.block)
-            return y_ao + grouped_matmul(xa_ar * self.lora_scale, self.lora_b[...].astype(jnp.float32), rows,
-                                         self.grouped, self.block)
+            xa_ar = saved_as_dot(xa_ar * self.lora_scale)
+            return y_ao + saved_as_dot(grouped_matmul(xa_ar, self.lora_b[...].astype(jnp.float32), rows,
+                                                      self.grouped, self.block))
 
 
 # As `jaxmodel.layers._dequantized_matmul`: nothing inside is saved for the backward pass, which dequantizes again,

@@ -203,8 +203,13 @@ def test_a_conditional_under_a_scope_with_a_share_counts_its_true_branch_that_sh
     assert step_cost(text, devices=1).flops == 8 * dot
     assert step_cost(text, devices=1, shares={scopes.EXPERT_BLOCK: 0.25}).flops == 2 * dot
     assert step_cost(text, devices=1, shares={"another_scope": 0.25}).flops == 8 * dot
-    # its gradient's conditionals too, named under the transformations (jvp(expert_block), transpose(...))
-    grad = jax.jit(jax.grad(lambda x, w, used: step(x, w, used) ** 2)).lower(
+    # a remat'ed conditional's gradient too, its scope named under the transformations (jvp(expert_block))
+    def once(x, w, used):
+        with jax.named_scope(scopes.EXPERT_BLOCK):
+            return jax.lax.cond(used > 0, lambda: jnp.sin(x @ w), lambda: jnp.zeros((16, 64)))
+
+    grad = jax.jit(jax.grad(lambda x, w, used: jnp.sum(jax.checkpoint(once)(x, w, used) ** 2))).lower(
         jnp.ones((16, 32)), jnp.ones((32, 64)), 3).compile().as_text()
+    assert "jvp(expert_block)/cond" in grad
     every = step_cost(grad, devices=1).flops
-    assert every >= 2 * 8 * dot and step_cost(grad, devices=1, shares={scopes.EXPERT_BLOCK: 0.25}).flops == every / 4
+    assert every >= 3 * dot and step_cost(grad, devices=1, shares={scopes.EXPERT_BLOCK: 0.25}).flops == every / 4

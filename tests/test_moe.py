@@ -3,6 +3,9 @@ each row times its own expert's weight, the experts' MLPs equal to transformers'
 Mixtral) and to a float64 computation, the "blocks" path's gradients the dense reference's, and its work the
 routed rows, not every expert's."""
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -315,3 +318,55 @@ def test_the_balanced_share_of_blocks_is_what_a_balanced_routing_runs(tokens, k,
     rows = group_rows(jnp.asarray(experts_tk, jnp.int32), held, 0, bound)
     _, block_expert, used = _block_layout(rows, block)
     assert balanced_block_share(tokens, k, e, ways, block) == int(used) / block_expert.shape[0]
+
+
+@pytest.mark.parametrize("mesh", [None, "dp=1,fsdp=8,cp=1,mp=1"])
+def test_under_dots_the_experts_keep_their_products_alone_and_under_expert_parallelism_nothing_bound_sized(mesh):
+    """What a layer remat'ed with `dots` keeps of its experts for the backward pass (jax's saved residuals). One
+    device: the projections' products, named as a Linear's (unnamed, the backward computed the experts' forward
+    again). Experts owned by fsdp's devices: nothing as large as the dispatch's bound, only the gathered tokens."""
+    import contextlib
+    import io
+
+    import jax.ad_checkpoint
+    from flax import nnx
+
+    from finetune.step.mesh import make_mesh
+    from jaxmodel.model import REMAT_POLICIES
+    from jaxmodel.moe import dispatch_bounds
+    from jaxmodel.sharding import named_sharding
+
+    t, e, k, d, f = 1024, 8, 2, 16, 64
+    experts = _experts_with_adapters(e, k, d, f, seed=0)
+    graphdef, frozen, lora = nnx.split(experts, nnx.Param, ...)
+    rng = np.random.default_rng(0)
+    weights, experts_tk = _routing(rng, t, e, k)
+    args = [lora, jnp.asarray(rng.standard_normal((t, d)), jnp.float32), jnp.asarray(weights),
+            jnp.asarray(experts_tk)]
+
+    def layer(lora, x, weights, experts_tk):
+        return jnp.sin(nnx.merge(graphdef, frozen, lora)(x, weights, experts_tk))
+
+    remat = jax.checkpoint(layer, policy=REMAT_POLICIES["dots"])
+
+    def saved(*args):  # (shape, where from) of each residual, as jax prints them
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            jax.ad_checkpoint.print_saved_residuals(remat, *args)
+        found = [re.match(r"\w+\[([\d,]*)\] (.*)", line).groups() for line in out.getvalue().splitlines()]
+        return [(tuple(int(n) for n in shape.split(",") if n), source) for shape, source in found]
+
+    if mesh is None:
+        named = [shape for shape, source in saved(*args) if "named 'dot'" in source]
+        assert (t * k, 2 * f) in named and (t * k, d) in named  # gate_up's and down's products
+        return
+    device_mesh = make_mesh(mesh)
+    with jax.set_mesh(device_mesh):
+        rows = named_sharding(("act_batch", None), (t, 1), device_mesh)
+        args = [args[0], *(jax.device_put(a, rows) for a in args[1:])]
+        residuals = saved(*args)
+    per_device = t // 8
+    capacity, _ = dispatch_bounds(per_device, k, e // 8, 8)
+    largest = max(math.prod(shape) for shape, _ in residuals) // 8  # per device
+    gathered = 8 * per_device * d  # a device's view of the layer's tokens
+    assert largest <= gathered < capacity * 2 * f  # never the rows

@@ -581,8 +581,9 @@ def test_a_mesh_whose_fsdp_does_not_divide_the_experts_is_refused_in_one_line(tm
 
 @pytest.mark.slow
 def test_a_steps_collectives_do_not_grow_with_the_blocks_of_routed_rows(tmp_path, default_allocator):
-    """On fsdp=8 each device sorts and multiplies its own tokens' rows, the layer's experts gathered once and their
-    adapters' gradients summed once: four times the tokens (four times the blocks) run the same collectives."""
+    """Each device sorts and multiplies the rows routed to its own experts (fsdp's devices own them), their
+    adapters' gradients summed once a layer over the devices that share the experts (dp's): four times the tokens
+    (four times the blocks) run the same collectives."""
     from finetune import TrainConfig
     from finetune.planning.plan import plan
 
@@ -592,7 +593,7 @@ def test_a_steps_collectives_do_not_grow_with_the_blocks_of_routed_rows(tmp_path
     (tmp_path / "config.json").write_text(json.dumps(config))
     counts = []
     for seq in (32, 128):
-        report = plan(TrainConfig(plan=True, model_config=str(tmp_path / "config.json"), mesh="dp=1,fsdp=8,mp=1",
+        report = plan(TrainConfig(plan=True, model_config=str(tmp_path / "config.json"), mesh="dp=2,fsdp=4,mp=1",
                                   batch_size=8, seq_len=seq, targets="q_proj,experts.gate_up_proj,experts.down_proj",
                                   ).validate())
         counts.append({kind: total["count"] for kind, total in report.cost.collective_totals().items()})
