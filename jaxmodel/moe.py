@@ -408,8 +408,9 @@ class Experts(nnx.Module):
         are routed to them, for the most they can receive (`ways * t * min(k, e / ways)`), so that no routing drops
         a row; the blocks past the rows routed are skipped (`grouped_matmul`). Each device's partial sums over the
         experts it holds are then summed onto the devices whose tokens they are (a reduce-scatter, float32). Per
-        layer and pass: an all-gather of the hidden states and a reduce-scatter of the outputs over `owners`, no
-        collective for the weights."""
+        layer and pass: an all-gather of the hidden states and a reduce-scatter of the outputs over `owners`; no
+        expert leaves its owners (with cp or mp, a device's own experts are gathered over them: their hidden and
+        intermediate dimensions lie there)."""
         if not owners:
             return self._local(x_td, weights_tk, experts_tk)
         ways = math.prod(jax.lax.axis_size(a) for a in owners)
