@@ -214,8 +214,7 @@ def balanced_block_share(tokens: int, top_k: int, num_experts: int, ways: int = 
     average, where the loop's static length is its bound's. Each expert receives `ways * tokens * top_k /
     num_experts` rows, padded to whole blocks."""
     held = num_experts // ways
-    rows = dispatch_bounds(tokens, top_k, held, ways)[0] if ways > 1 else tokens * top_k
-    blocks = padded_rows(rows, held, block) // block
+    blocks = padded_rows(dispatch_bounds(tokens, top_k, held, ways)[0], held, block) // block
     used = held * math.ceil(ways * tokens * top_k / num_experts / block)
     return min(1.0, used / blocks)
 

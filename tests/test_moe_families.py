@@ -575,8 +575,8 @@ def test_a_mesh_whose_fsdp_does_not_divide_the_experts_is_refused_in_one_line(tm
                  "--batch-size", "8", "--seq-len", "16"]) != 0
     err = capsys.readouterr().err.strip()
     assert err == ("finetune-lora: error: --mesh fsdp=4 does not divide the model's 6 experts (num_experts): fsdp's "
-                   "devices each hold an equal share of every sparse layer's experts; choose an fsdp that divides "
-                   "them (dp, cp or mp for the other devices)")
+                   "devices each hold an equal share of every sparse layer's experts; choose a mesh whose split "
+                   "divides them (dp, cp or mp for the other devices)")
 
 
 @pytest.mark.slow

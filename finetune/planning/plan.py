@@ -198,7 +198,7 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
     llama = ModelConfig.from_hf(source)  # a clear error for a missing or malformed config
     mesh = make_mesh(config.mesh)
     check_seq_len(config, llama, mesh)
-    check_experts_split(llama, mesh)
+    check_experts_split(llama, mesh, DEFAULT_RULES)
     check_rank(config, llama)
     check_batch_split(config, mesh, DEFAULT_RULES)
     quantization, quantization_source = plan_quantization(config)

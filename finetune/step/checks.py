@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from jax.sharding import Mesh
 
 from finetune.config import ConfigFileError, TrainConfig
@@ -29,13 +31,18 @@ def check_seq_len(config: TrainConfig, llama: ModelConfig, mesh: Mesh) -> None:
                               "the cp axis holds two equal chunks of every sequence)")
 
 
-def check_experts_split(llama: ModelConfig, mesh: Mesh) -> None:
-    """fsdp's devices each hold an equal share of every sparse layer's experts (jaxmodel/moe.py: `Experts`)."""
-    fsdp = mesh.shape.get("fsdp", 1)
-    if llama.num_experts and llama.num_experts % fsdp:
-        raise ConfigFileError(f"--mesh fsdp={fsdp} does not divide the model's {llama.num_experts} experts "
-                              "(num_experts): fsdp's devices each hold an equal share of every sparse layer's "
-                              "experts; choose an fsdp that divides them (dp, cp or mp for the other devices)")
+def check_experts_split(llama: ModelConfig, mesh: Mesh, rules: Rules) -> None:
+    """The devices the rules split the experts over (fsdp's: jaxmodel/moe.py, `Experts`) each hold an equal share
+    of every sparse layer's experts."""
+    found = dict(rules).get("experts")
+    axes = [a for a in ((found,) if isinstance(found, str) else found or ()) if mesh.shape.get(a, 1) > 1]
+    ways = math.prod(mesh.shape[a] for a in axes)
+    if llama.num_experts and llama.num_experts % ways:
+        names = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+        raise ConfigFileError(f"--mesh {names} does not divide the model's {llama.num_experts} experts "
+                              f"(num_experts): {' x '.join(axes)}'s devices each hold an equal share of every sparse "
+                              "layer's experts; choose a mesh whose split divides them (dp, cp or mp for the other "
+                              "devices)")
 
 
 def layer_shapes(llama: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -84,7 +84,7 @@ def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dic
     read_manifest(model_dir)  # a clear error for a directory that is not a converted checkpoint
     llama = ModelConfig.from_hf(model_dir)
     check_seq_len(config, llama, mesh)
-    check_experts_split(llama, mesh)
+    check_experts_split(llama, mesh, rules)
     if not config.init_adapter:  # an adapter brings its own rank, checked against the model as it loads
         check_rank(config, llama)
     from transformers import AutoTokenizer
