@@ -10,9 +10,10 @@
 #                        kernel's check (packed rows, rows of one sequence, a cp chunk with a window)
 #   step-*.json / .txt   the train step alone (--step-only) at 1 x 32768 (auto), then 4 x 2048 on the blockwise
 #                        path, to set the kernel's step against the portable one (the report's step is 2048, auto)
-#   profile-*.json/.txt  bench/step_profile.py at Llama 3.1 8B widths (16 layers), bf16, auto attention, at 4 x 2048
-#                        and 1 x 16384: where the step's time goes, by model part (XLA's command buffers off, so
-#                        that each kernel's trace event names its HLO instruction)
+#   profile-*.json/.txt  bench/step_profile.py, bf16, auto attention, 4 x 2048: at Llama 3.1 8B widths (16 layers),
+#                        then Qwen3-30B-A3B's (8 layers of 128 experts, 8 a token, LoRA on attention and every
+#                        expert): where the step's time goes, by model part, the experts' blocks among them (XLA's
+#                        command buffers off, so that each kernel's trace event names its HLO instruction)
 #
 # A measurement that runs past its limit is cut off and the next one starts; what finished stays in the folder.
 set -u
@@ -61,4 +62,4 @@ measure report 240
 measure step-1x32768-auto 70 --step-only --seq 32768 --batch 1 --steps 3
 measure step-4x2048-blockwise 50 --step-only --seq 2048 --batch 4 --steps 5 --attention blockwise
 profile profile-4x2048 60 --shape 8b --layers 16 --dtype bfloat16 --batch 4 --seq 2048 --steps 2
-profile profile-1x16384 60 --shape 8b --layers 16 --dtype bfloat16 --batch 1 --seq 16384 --steps 2
+profile profile-moe-4x2048 60 --shape 30b-a3b --layers 8 --dtype bfloat16 --batch 4 --seq 2048 --steps 2

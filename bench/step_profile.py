@@ -8,8 +8,10 @@ The step is the one `finetune-lora` runs (`finetune.step.train_step.jit_steps` t
 `build_step`) with bench/dtypes.py's command at its shape: bench/train.py's batch, LoRA and optimizer, `--dtype`
 and `--param-dtype` the given dtype, the other options finetune-lora's defaults (`--attention auto`: on an NVIDIA
 GPU the fused kernel the run would take), one device. `--shape 8b` is Llama 3.1 8B's widths (all 32 layers unless
-`--layers`, random weights: bench/device_report.py's accelerator model); `--batch`, `--seq` and `--attention`
-replace bench/train.py's 4 x 256 and the default attention.
+`--layers`, random weights: bench/device_report.py's accelerator model); `--shape 30b-a3b` is Qwen3-30B-A3B's
+(bench/configs; 128 experts of 768, 8 a token) and `--shape moe` bench/moe.py's Mixtral (8 experts of 768, 2 a
+token), both with LoRA on attention and every expert's gate_up and down (the default targets of a mixture of
+experts); `--batch`, `--seq` and `--attention` replace bench/train.py's 4 x 256 and the default attention.
 
 How the table is made:
 - Part: each op's HLO metadata names the `jax.named_scope`s it was traced in (jaxmodel/scopes.py: projections,
@@ -51,6 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_runs import OneLineErrorParser, choices, cpu_description, positive  # noqa: E402
 from dtypes import SHAPES  # noqa: E402
+from moe import MODELS as MOE_MODELS  # noqa: E402
 from train import ALPHA, BATCH, LR, RANK, SEQ, TARGETS, step_times  # noqa: E402
 
 from finetune.planning.hlo_cost import Instruction, matmul_flops, parse_hlo  # noqa: E402
@@ -61,6 +64,11 @@ from jaxmodel import scopes  # noqa: E402
 PROG = "step_profile.py"
 SCAN, ZERO_FILL, OTHER = "layer scan", "zero fill", "other"
 WIDE = "8b"  # --shape: Llama 3.1 8B's widths
+# --shape: mixtures of experts, with LoRA on attention and every expert (the toolkit's default targets for them)
+MOE_SHAPES = {
+    "30b-a3b": json.loads((Path(__file__).resolve().parent / "configs" / "qwen3-30b-a3b-config.json").read_text()),
+    "moe": MOE_MODELS["sparse (Mixtral, 2 of 8 experts of 768)"],  # bench/moe.py's
+}
 # the scan's own ops: `jax.lax.scan` slices its inputs and writes its outputs with these
 _SCAN_OPS = ("dynamic_index_in_dim", "dynamic_update_index_in_dim")
 # `transpose(jvp(lm_head))` and the like: a scope traced at the top of a differentiated function
@@ -161,9 +169,9 @@ def print_table(table: dict) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """This benchmark's options (tests/test_docs_commands.py parses the docs' command lines with it)."""
     parser = OneLineErrorParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=[*sorted(SHAPES), WIDE], default="bench",
-                        help="the model's shape: bench/train.py's (default), a pretrained model's (bench/dtypes.py) "
-                             "or Llama 3.1 8B's widths (8b)")
+    parser.add_argument("--shape", choices=[*sorted(SHAPES), WIDE, *MOE_SHAPES], default="bench",
+                        help="the model's shape: bench/train.py's (default), a pretrained model's (bench/dtypes.py), "
+                             "Llama 3.1 8B's widths (8b) or a mixture of experts' (30b-a3b, moe)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="--dtype and --param-dtype of the step (default float32)")
     parser.add_argument("--layers", type=positive, help="decoder layers (default: the shape's)")
@@ -189,16 +197,19 @@ def main() -> None:
     from finetune.train.metrics import measure_peak_flops
     from jaxmodel.config import ModelConfig
 
+    from finetune.config import MOE_DEFAULT_TARGETS
+
     if args.shape == WIDE:
         from device_report import WIDE_MODEL as base
     else:
-        base = SHAPES[args.shape]
+        base = {**SHAPES, **MOE_SHAPES}[args.shape]
     shape = {**base, "rms_norm_eps": 1e-5}
     if args.layers:
         shape["num_hidden_layers"] = args.layers
     llama = ModelConfig.from_hf({"model_type": "llama", **shape})
+    targets = MOE_DEFAULT_TARGETS if args.shape in MOE_SHAPES else TARGETS
     config = TrainConfig(mesh="dp=1,fsdp=1,mp=1", batch_size=args.batch, seq_len=args.seq, dtype=args.dtype,
-                         param_dtype=args.dtype, rank=RANK, alpha=ALPHA, targets=",".join(TARGETS), lr=LR,
+                         param_dtype=args.dtype, rank=RANK, alpha=ALPHA, targets=",".join(targets), lr=LR,
                          schedule="constant", clip_norm=0.0, steps=10**6, attention=args.attention)
     step = dm.build_step(llama, config, jax.devices()[:1])
     for _ in range(2):

@@ -23,4 +23,7 @@ OPTIMIZER = "optimizer"
 
 # what each part is called in a table, in the order of the layer's computation
 PARTS = {EMBEDDING: "embedding", RMS_NORM: "RMSNorm", PROJECTION: "projections", LORA: "LoRA", ROPE: "RoPE",
-         ATTENTION: "attention", SWIGLU: "SwiGLU", LM_HEAD: "LM head and loss", OPTIMIZER: "optimizer"}
+         ATTENTION: "attention", SWIGLU: "SwiGLU", EXPERT_BLOCK: "experts' blocks",
+         EXPERT_DISPATCH: "experts' dispatch", LM_HEAD: "LM head and loss", OPTIMIZER: "optimizer"}
+# the parts only a mixture of experts' step has (the dispatch's only under expert parallelism)
+EXPERT_PARTS = (EXPERT_BLOCK, EXPERT_DISPATCH)

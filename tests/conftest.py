@@ -267,5 +267,7 @@ def run_model(run_dir, converted_dir):
 
 
 def stderr_lines(text: str) -> list[str]:
-    """The lines of a tool's stderr, less `finetune-lora`'s data summary (printed by every run that loads data)."""
-    return [line for line in text.strip().splitlines() if not line.startswith("finetune-lora: data: ")]
+    """The lines of a tool's stderr, less `finetune-lora`'s data summary and adapter line (printed by every run that
+    loads data and a model)."""
+    return [line for line in text.strip().splitlines()
+            if not line.startswith(("finetune-lora: data: ", "finetune-lora: adapter: "))]

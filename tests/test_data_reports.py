@@ -53,11 +53,12 @@ def test_truncated_examples_and_lost_targets_are_counted_in_one_warning(tmp_path
                                               {"prompt": LONG_TEXT + " again", "completion": " no"}])
     assert run_cli(tiny_converted, data, tmp_path / "run") == 0
     captured = capsys.readouterr()
-    warning, summary = captured.err.splitlines()  # no attention line: no kernel was weighed on a CPU
+    warning, summary, adapter = captured.err.splitlines()  # no attention line: no kernel was weighed on a CPU
     assert warning == (
         f"finetune-lora: warning: 4 of 8 examples are longer than --seq-len 32 and were cut to it (first: {data}:3); "
         f"2 of them lost all their training targets (first: {data}:5)")
     assert summary.startswith("finetune-lora: data: 8 rows, ") and "; 4 truncated, 2 with no targets; " in summary
+    assert adapter.startswith("finetune-lora: adapter: ") and " trainable parameters; " in adapter
     assert captured.out.startswith("trained 1 steps")
 
 

@@ -486,6 +486,17 @@ def test_a_run_says_at_its_start_which_adapters_peft_cannot_serve(moe_run_checkp
         assert ("finetune-lora: note: LoRA targets down_proj: PEFT 0.21.2 attaches no adapter" in err) == noted
         adapted = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(run.state.lora)}
         assert any("experts.gate_up_proj.lora_a" in p for p in adapted) == (targets is None)
+        # the adapter's line, against a count from the config: r x (in + out) a projection, the experts' E times
+        c, r = run.llama, config.rank
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        attention = r * (c.hidden_size + q) + (0 if noted else r * (2 * (c.hidden_size + kv) + q + c.hidden_size))
+        experts = c.num_experts * r * ((c.moe_intermediate_size + c.hidden_size) +
+                                       (0 if noted else c.hidden_size + 2 * c.moe_intermediate_size))
+        dense_down = r * (c.intermediate_size + c.hidden_size) if noted else 0  # layer 1 is dense, layer 0 sparse
+        total = c.num_hidden_layers * attention + experts + dense_down
+        held = 12 * total / 1e6  # float32 parameters and AdamW's two moments, all on the one device
+        assert f"finetune-lora: adapter: {total:,} trainable parameters ({experts:,} of them on the routed experts); " \
+               f"{held:,.1f} MB a device with their optimizer state" in err.splitlines()
 
 
 

@@ -156,7 +156,21 @@ def test_the_real_steps_matmul_flops_per_part_are_the_models(tmp_path):
         6 * tokens * layers * RANK * sum(i + o for i, o in shapes), rel=1e-12)
     assert parts["lm_head matmuls"]["matmul_gflop"] * 1e9 == pytest.approx(4 * tokens * v * d, rel=1e-12)
     assert parts["attention matmuls"]["matmul_gflop"] > 0
-    for part in [*scopes.PARTS, "layer scan"]:
+    for part in [*(p for p in scopes.PARTS if p not in scopes.EXPERT_PARTS), "layer scan"]:
         assert any(key.startswith(f"{part} ") and row["op_ms"] > 0 for key, row in parts.items()), part
     assert sum(row["wall_ms"] for row in parts.values()) + report["idle_ms"] == pytest.approx(report["traced_step_ms"])
     assert "| LoRA | matmuls |" in run.stdout and "MFU" in run.stdout
+
+
+def test_an_experts_block_counts_as_the_experts_blocks_inside_a_projection_forward_and_backward():
+    from finetune.planning.hlo_cost import parse_hlo
+
+    module = step_profile()
+    names = {"forward": "jit(train_step)/while/body/closed_call/projection/expert_block/cond/branch_1_fun/dot_general",
+             "backward": "jit(train_step)/while/body/transpose(jvp(projection))/transpose(jvp(expert_block))/dot",
+             "its LoRA": "jit(train_step)/while/body/projection/expert_block/lora/dot_general"}
+    for where, op_name in names.items():
+        hlo = HLO.replace("jit(train_step)/transpose(jvp(projection))/dot_general", op_name)
+        inst = parse_hlo(hlo).instructions["ynn_fusion"]
+        assert module.part_of(inst, "ynn_fusion") == ("lora" if where == "its LoRA" else "expert_block"), where
+    assert module.label("expert_block") == "experts' blocks"

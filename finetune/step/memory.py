@@ -1,4 +1,4 @@
-"""What a tree of sharded arrays costs each device: a per-parameter table and a byte count."""
+"""What a tree of sharded arrays costs each device: a per-parameter table, a byte count, the adapter's line."""
 
 from __future__ import annotations
 
@@ -30,3 +30,16 @@ def per_device_bytes(tree) -> float:
         shard = leaf.sharding.shard_shape(leaf.shape)
         total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
     return total
+
+
+def adapter_summary(lora, opt_state) -> str:
+    """A run's line on what it trains: the LoRA parameters (those on the routed experts among them) and what they
+    and their optimizer state take on one device (split as the sharding rules split them)."""
+    total = experts = 0
+    for path, var in nnx.to_flat_state(lora):
+        size = math.prod((var.get_value() if hasattr(var, "get_value") else var[...]).shape)
+        total += size
+        experts += size if "experts" in path else 0
+    on_experts = f" ({experts:,} of them on the routed experts)" if experts else ""
+    held = per_device_bytes(lora) + per_device_bytes(opt_state)
+    return f"{total:,} trainable parameters{on_experts}; {held / 1e6:,.1f} MB a device with their optimizer state"

@@ -19,7 +19,7 @@ from finetune.data.pairs import PairRows
 from finetune.data.prepare import pack_data, tokenize_data
 from finetune.step.attention_choice import choose_attention
 from finetune.step.checks import check_batch_split, check_experts_split, check_rank, check_seq_len
-from finetune.step.memory import sharding_table
+from finetune.step.memory import adapter_summary, sharding_table
 from finetune.step.mesh import initialize_distributed, make_mesh
 from finetune.step.train_step import DTYPES, TrainState, jit_steps, make_optimizer, optimizer_shardings, split_model
 from finetune.train.reference_pass import with_precomputed_reference
@@ -124,6 +124,8 @@ def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dic
         opt_state = jax.jit(tx.init, out_shardings=optimizer_shardings(tx, lora, replicated))(lora)
         state = TrainState(jax.device_put(jnp.int32(0), replicated), lora, opt_state,
                            jax.device_put(jax.random.key(config.seed), replicated))
+    if main:
+        print(f"finetune-lora: adapter: {adapter_summary(lora, opt_state)}", file=sys.stderr, flush=True)
     if config.show_sharding and jax.process_index() == 0:
         print("\n".join(sharding_table(base, lora)))
         jax.debug.visualize_array_sharding(model.embed_tokens.weight[...])
