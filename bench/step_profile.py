@@ -192,12 +192,10 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from finetune.config import TrainConfig
+    from finetune.config import MOE_DEFAULT_TARGETS, TrainConfig
     from finetune.step.flops import flops_per_token
     from finetune.train.metrics import measure_peak_flops
     from jaxmodel.config import ModelConfig
-
-    from finetune.config import MOE_DEFAULT_TARGETS
 
     if args.shape == WIDE:
         from device_report import WIDE_MODEL as base
