@@ -126,8 +126,9 @@ class TrainConfig:
                           resume=Refused("the adapters' scale (export writes it from run_config.json)"))
     targets: str = option(DEFAULT_TARGETS,
                           "comma-separated HF module names to adapt (lm_head is possible, never default); the "
-                          "routed experts are experts.gate_up_proj and experts.down_proj. The default on a model with "
-                          "experts: the attention projections and the experts",
+                          "routed experts are experts.gate_up_proj and experts.down_proj, the router gate (which adds "
+                          "the load-balancing loss). The default on a model with experts: the attention projections "
+                          "and the experts",
                           resume=Refused("which modules have stored adapters"))
     rslora: bool = option(False, "rank-stabilised LoRA scaling alpha / sqrt(r)",
                           resume=Refused("the adapters' scale (export writes it from run_config.json)"))
@@ -374,6 +375,14 @@ class TrainConfig:
                 raise ConfigFileError(f"--{flag_of(name)} goes with {goes_with}, not --objective {self.objective}")
         if self.reference == "init" and not self.init_adapter:
             raise ConfigFileError("--reference init needs --init-adapter (the adapter the reference is)")
+        self.check_router_objective()
+
+    def check_router_objective(self) -> None:
+        """Training the router (target `gate`) adds the load-balancing loss to the SFT objective; the preference
+        objectives do not add it, so they refuse the router rather than train it unbalanced."""
+        if self.preference and "gate" in self.target_modules:
+            raise ConfigFileError(f"--targets gate (the router) goes with --objective sft, not --objective "
+                                  f"{self.objective}: its load-balancing loss is added to the SFT loss only")
 
 
 # (accepts(value), what is expected) for each numeric option; comparisons with NaN are false, so NaN is refused.

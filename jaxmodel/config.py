@@ -86,12 +86,14 @@ class ModelConfig:
     # norm_topk_prob and rounded to the compute dtype before weighting the experts' outputs when
     # round_router_weights (Qwen3-MoE; Mixtral keeps them float32). sparse_layers marks the layers whose MLP is
     # the experts (one flag per layer; empty: none); the others have the dense MLP of intermediate_size.
+    # router_aux_loss_coef weighs the load-balancing loss a run training the routers adds (jaxmodel.moe).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     round_router_weights: bool = False
     sparse_layers: tuple[bool, ...] = ()
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:

@@ -10,6 +10,10 @@ The routed experts' projections (`jaxmodel.moe.GroupedLinear`, targets `experts.
 `experts.down_proj`) take one adapter of rank r for each expert, as PEFT's `target_parameters` adapts a fused expert
 parameter: `A: [e, r, in]` (kaiming-uniform, as PEFT's `[e * r, in]`) and `B: [e, out, r]` zeros. PEFT gives them no
 dropout, and neither does this port.
+
+The router of a sparse layer (target `gate`, a `jaxmodel.layers.Linear` `[e, d]`) is frozen unless named: PEFT
+adapts transformers 5's router, a bare parameter, as `target_parameters` `mlp.gate.weight`, with a plain `[r, d]` A
+and `[e, r]` B and no dropout. Training it adds the load-balancing loss to the objective (`jaxmodel.moe`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from jaxmodel.moe import GroupedLinear
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # the routed experts' fused projections, by their module path's last two names
 EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
+ROUTER_TARGET = "gate"  # a sparse layer's router
+# the targets PEFT adapts as parameters (`target_parameters`), which it gives no dropout
+PARAMETER_TARGETS = EXPERT_TARGETS + (ROUTER_TARGET,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,15 +49,16 @@ class LoraConfig:
     def __post_init__(self):
         if self.rank <= 0:
             raise ValueError(f"LoRA rank must be a positive integer, got {self.rank}")
-        known = ALL_TARGETS + ("lm_head",) + EXPERT_TARGETS
+        known = ALL_TARGETS + ("lm_head",) + PARAMETER_TARGETS
         unknown = sorted(set(self.targets) - set(known))
         if unknown or not self.targets:
             raise ValueError(f"LoRA targets {unknown or '(none)'}: expected names from {', '.join(known)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
-        if self.dropout and set(self.targets) & set(EXPERT_TARGETS):
-            raise ValueError(f"LoRA dropout {self.dropout:g} on the experts: PEFT adapts them without dropout (set "
-                             "it to 0, or leave experts.gate_up_proj and experts.down_proj out of the targets)")
+        without = sorted(set(self.targets) & set(PARAMETER_TARGETS))
+        if self.dropout and without:
+            raise ValueError(f"LoRA dropout {self.dropout:g} on {', '.join(without)}: PEFT adapts the experts and "
+                             "the router without dropout (set it to 0, or leave them out of the targets)")
 
     @property
     def scale(self) -> float:
@@ -84,7 +92,11 @@ def apply_lora(model: CausalLM, config: LoraConfig, *, rngs: nnx.Rngs) -> Causal
     found = list(target_linears(model, config.targets))
     missing = set(config.targets) - {target_name(path) for path, _ in found}
     if missing:
-        raise ValueError(f"LoRA targets {sorted(missing)} are not layers of this model (tied embeddings have no lm_head)")
+        why = [why for names, why in ((("lm_head",), "tied embeddings have no lm_head"),
+                                      (PARAMETER_TARGETS, "a model without experts has no router or experts"))
+               if missing & set(names)]
+        raise ValueError(f"LoRA targets {sorted(missing)} are not layers of this model"
+                         + (f" ({'; '.join(why)})" if why else ""))
     for _, linear in found:
         if isinstance(linear, GroupedLinear):
             _expert_adapters(linear, config, rngs)

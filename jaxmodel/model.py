@@ -181,23 +181,24 @@ class DecoderLayer(nnx.Module):
             self.attn_output_norm = self.mlp_output_norm = None
 
     def __call__(self, x_btd, cos_bth, sin_bth, mask: dict, kv, cache_index, key=None, mlp_chunk: int = 0,
-                 rules: Rules = DEFAULT_RULES):
-        """The layer's output `[b, t, d]`, the updated cache, and a sparse layer's experts of each token `[b, t, k]`
-        (None for a dense layer)."""
+                 rules: Rules = DEFAULT_RULES, real_bt=None):
+        """The layer's output `[b, t, d]`, the updated cache, a sparse layer's experts of each token `[b, t, k]`
+        and, given which tokens are real (`real_bt`), its routing's `jaxmodel.moe.RouterStats` (each None for a
+        dense layer)."""
         attn_key, mlp_key = _split(key, 2)
         attn_btd, kv = self.self_attn(self.input_layernorm(x_btd), cos_bth, sin_bth, mask, kv, cache_index,
                                       attn_key, rules)
         if self.attn_output_norm is not None:
             attn_btd = self.attn_output_norm(attn_btd)
         h_btd = x_btd + attn_btd
-        experts_btk = None
+        experts_btk = stats = None
         if self.sparse:
-            mlp_btd, experts_btk = self.mlp(self.post_attention_layernorm(h_btd), rules)
+            mlp_btd, experts_btk, stats = self.mlp(self.post_attention_layernorm(h_btd), rules, real_bt)
         else:
             mlp_btd = self.mlp(self.post_attention_layernorm(h_btd), mlp_key, mlp_chunk, rules)
         if self.mlp_output_norm is not None:
             mlp_btd = self.mlp_output_norm(mlp_btd)
-        return h_btd + mlp_btd, kv, experts_btk
+        return h_btd + mlp_btd, kv, experts_btk, stats
 
 
 class CausalLM(nnx.Module):
@@ -266,24 +267,27 @@ class CausalLM(nnx.Module):
         return None if cp == 1 else cp_order(t, cp)
 
     def hidden_states(self, input_ids, *, attention_mask=None, positions=None, segment_ids=None,
-                      dropout_key=None) -> jax.Array:
-        """The final normed hidden states `[b, t, d]` (compute dtype), positions in `sequence_order(t)`."""
+                      dropout_key=None, router_stats: bool = False):
+        """The final normed hidden states `[b, t, d]` (compute dtype), positions in `sequence_order(t)`; with
+        `router_stats`, also the sparse layers' `jaxmodel.moe.RouterStats` summed over them and the real tokens."""
         b, t = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t), (b, t))
         order = self.sequence_order(t)
+        segments_bt = _segments(attention_mask, segment_ids)
         if order is not None:
-            segments_bt = _segments(attention_mask, segment_ids)
             segments_bt = jnp.ones((b, t), jnp.int32) if segments_bt is None else segments_bt
             input_ids, positions, segments_bt = (jnp.take(x, order, axis=1) for x in (input_ids, positions, segments_bt))
             mask = dict(impl=self.attention, segment_ids_bt=segments_bt)
         elif self.attention != "xla":  # blockwise and the fused kernels take segment ids
-            segments_bt = _segments(attention_mask, segment_ids)
             mask = dict(impl=self.attention, q_segment_ids=segments_bt, kv_segment_ids=segments_bt)
         else:  # causality is added by `attention`, from the positions' indices
             mask = dict(impl=self.attention, mask_bts=_dense_key_mask(attention_mask, segment_ids))
-        h_btd, _, _ = self._layers(input_ids, positions, mask, None, 0, dropout_key)
-        return self.norm(h_btd)
+        real_bt = None
+        if router_stats:
+            real_bt = jnp.ones((b, t), bool) if segments_bt is None else segments_bt != 0
+        h_btd, _, _, stats = self._layers(input_ids, positions, mask, None, 0, dropout_key, real_bt)
+        return (self.norm(h_btd), stats) if router_stats else self.norm(h_btd)
 
     def routes(self, input_ids, *, attention_mask=None) -> jax.Array:
         """The experts each token is routed to at each sparse layer, `[sparse layers, b, t, k]` int32 (largest
@@ -314,6 +318,12 @@ class CausalLM(nnx.Module):
             return None
         return self._head_weight()
 
+    @property
+    def trains_router(self) -> bool:
+        """Whether the sparse layers' routers carry LoRA adapters (target `gate`): a run training them adds the
+        load-balancing loss (`jaxmodel.moe.load_balancing_loss`)."""
+        return self.moe_layers is not None and self.moe_layers.mlp.gate.lora_a is not None
+
     def _head_weight(self) -> jax.Array:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return head.weight[...].astype(self.dtype)
@@ -333,12 +343,14 @@ class CausalLM(nnx.Module):
         # query i sits at slot cache_index + i and sees slots up to it (attention's q_offset)
         mask_bts = jnp.broadcast_to(key_valid.astype(bool)[:, None, :], (b, t, s))
         mask = dict(impl="xla", mask_bts=mask_bts, q_offset=cache_index)
-        h_btd, cache, _ = self._layers(input_ids, positions, mask, cache, cache_index)
+        h_btd, cache, _, _ = self._layers(input_ids, positions, mask, cache, cache_index)
         return self.head(self.norm(h_btd)), cache
 
-    def _layers(self, input_ids, positions, mask: dict, cache: KVCache | None, cache_index, dropout_key=None):
-        """The decoder stack: hidden states `[b, t, d]` before the final norm, the updated cache, and each sparse
-        layer's experts of each token `[sparse layers, b, t, k]` (None without sparse layers)."""
+    def _layers(self, input_ids, positions, mask: dict, cache: KVCache | None, cache_index, dropout_key=None,
+                real_bt=None):
+        """The decoder stack: hidden states `[b, t, d]` before the final norm, the updated cache, each sparse
+        layer's experts of each token `[sparse layers, b, t, k]` (None without sparse layers) and, given which tokens
+        are real (`real_bt`), the sparse layers' `RouterStats` summed (else None)."""
         c = self.config
         if c.query_pre_attn_scalar is not None:
             mask = {**mask, "scale": c.attention_scale}
@@ -358,26 +370,28 @@ class CausalLM(nnx.Module):
         layer_keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_hidden_layers)
         kv_xs = None if cache is None else (cache.k, cache.v)
         per_layer = (kv_xs, layer_keys, window_xs, local_xs)
-        kv_parts, routes = [], []
+        kv_parts, routes, stats = [], [], []
         for sparse, first, count in c.layer_runs():
             stack = self.moe_layers if sparse else self.layers
             start = c.stack_layers(sparse).index(first)
             run = jax.tree.map(lambda x: x[first:first + count], per_layer)
-            h_btd, (kv_ys, experts) = self._scan(stack, (start, count), h_btd, run, (cos_bth, sin_bth), local_cos_sin,
-                                                 mask, cache_index, act)
+            h_btd, (kv_ys, experts, run_stats) = self._scan(stack, (start, count), h_btd, run, (cos_bth, sin_bth),
+                                                            local_cos_sin, mask, cache_index, act, real_bt)
             kv_parts.append(kv_ys)
             routes += [] if experts is None else [experts]
+            stats += [] if run_stats is None else [jax.tree.map(lambda x: jnp.sum(x, axis=0), run_stats)]
         routes = jnp.concatenate(routes) if routes else None
+        stats = jax.tree.map(lambda *xs: sum(xs), *stats) if stats else None
         if cache is None:
-            return h_btd, None, routes
+            return h_btd, None, routes, stats
         kv = KVCache(*(jnp.concatenate(parts) if len(parts) > 1 else parts[0] for parts in zip(*kv_parts)))
-        return h_btd, kv, routes
+        return h_btd, kv, routes, stats
 
     def _scan(self, stack: "DecoderLayer", part: tuple[int, int], h_btd, per_layer, cos_sin, local_cos_sin,
-              mask: dict, cache_index, act):
+              mask: dict, cache_index, act, real_bt=None):
         """Layers `[start, start + count)` of `stack` (`part`) over `h_btd`, one scan; `per_layer` their KV cache,
         dropout keys, windows and local-RoPE flags (each None when unused). Returns the hidden states and each
-        layer's (cache, experts of each token) stacked."""
+        layer's (cache, experts of each token, router stats) stacked."""
         graphdef, lora_state, frozen_state = nnx.split(stack, LoRAParam, ...)
         start, count = part
         if count != len(self.config.stack_layers(stack.sparse)):  # a run of part of the stack: its slice
@@ -396,9 +410,9 @@ class CausalLM(nnx.Module):
             layer_mask = mask if window is None else {**mask, "window": window}
             cos, sin = (cos_bth, sin_bth) if local is None else (
                 jnp.where(local, local_cos_sin[0], cos_bth), jnp.where(local, local_cos_sin[1], sin_bth))
-            h_btd, kv, experts = nnx.merge(graphdef, lora, frozen)(h_btd, cos, sin, layer_mask, kv, cache_index,
-                                                                   key, self.mlp_chunk, self.rules)
-            return constrain(h_btd, act, self.rules), (kv, experts)
+            h_btd, kv, experts, stats = nnx.merge(graphdef, lora, frozen)(h_btd, cos, sin, layer_mask, kv, cache_index,
+                                                                          key, self.mlp_chunk, self.rules, real_bt)
+            return constrain(h_btd, act, self.rules), (kv, experts, stats)
 
         policy = REMAT_POLICIES[self.remat]
         if self.remat != "none":

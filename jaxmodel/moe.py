@@ -50,6 +50,33 @@ def route(logits_te: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array,
     return weights_tk, experts_tk.astype(jnp.int32)
 
 
+class RouterStats(NamedTuple):
+    """What the load-balancing loss needs of a batch's routing, summed over its real tokens (and over layers):
+    transformers' `load_balancing_loss_func` pools every sparse layer's tokens before it divides."""
+
+    routed: jax.Array  # [e] float32: routes to each expert (k a token), never differentiated
+    probs: jax.Array  # [e] float32: the router's probabilities of each expert
+    tokens: jax.Array  # float32 scalar: the real tokens
+
+
+def router_stats(logits_te: jax.Array, experts_tk: jax.Array, real_t: jax.Array) -> RouterStats:
+    """One layer's `RouterStats` from its router's logits, each token's experts and which tokens are real (padding
+    left out, as transformers leaves out what its `attention_mask` masks)."""
+    real_t = real_t.astype(jnp.float32)
+    probs_te = jax.nn.softmax(logits_te.astype(jnp.float32), axis=-1)
+    routed = jnp.zeros(logits_te.shape[-1], jnp.float32).at[experts_tk.reshape(-1)].add(
+        jnp.repeat(real_t, experts_tk.shape[1]))
+    return RouterStats(jax.lax.stop_gradient(routed), jnp.sum(probs_te * real_t[:, None], axis=0), jnp.sum(real_t))
+
+
+def load_balancing_loss(stats: RouterStats) -> jax.Array:
+    """Switch Transformer's load-balancing loss as transformers computes it for Qwen3-MoE and Mixtral: `e` times
+    the sum over the experts of (routes to it / tokens) times (its mean probability), the tokens every sparse
+    layer's real ones: `k` for a routing spread evenly, at most `e`. float32 scalar."""
+    n = jnp.maximum(stats.tokens, 1.0)
+    return stats.routed.shape[0] * jnp.sum((stats.routed / n) * (stats.probs / n))
+
+
 class GroupedRows(NamedTuple):
     """The routed rows of a layer's tokens sorted by expert: row `j` of the sorted order is token
     `token_a[j]`'s route to expert `expert_a[j]`, which `order[j]` numbers in the `[t, k]` routes flattened. Under
@@ -513,15 +540,19 @@ class SparseMoeBlock(nnx.Module):
         self.top_k, self.normalize, self.round_weights = c.num_experts_per_tok, c.norm_topk_prob, c.round_router_weights
         self.dtype = dtype
 
-    def __call__(self, x_btd: jax.Array, rules: Rules = DEFAULT_RULES) -> tuple[jax.Array, jax.Array]:
-        """The block's output `[b, t, d]` and each token's experts `[b, t, k]` (int32, largest weight first)."""
+    def __call__(self, x_btd: jax.Array, rules: Rules = DEFAULT_RULES,
+                 real_bt: jax.Array | None = None) -> tuple[jax.Array, jax.Array, RouterStats | None]:
+        """The block's output `[b, t, d]`, each token's experts `[b, t, k]` (int32, largest weight first) and, given
+        which tokens are real (`real_bt`), the routing's `RouterStats` (else None)."""
         b, t, d = x_btd.shape
         x_td = x_btd.reshape(b * t, d)
-        weights_tk, experts_tk = route(self.gate(x_td), self.top_k, self.normalize)
+        logits_te = self.gate(x_td)
+        weights_tk, experts_tk = route(logits_te, self.top_k, self.normalize)
+        stats = None if real_bt is None else router_stats(logits_te, experts_tk, real_bt.reshape(b * t))
         if self.round_weights:  # as transformers' Qwen3-MoE router casts them to the hidden states' dtype
             weights_tk = weights_tk.astype(self.dtype).astype(jnp.float32)
         y_btd = self.experts(x_td, weights_tk, experts_tk, rules).astype(self.dtype).reshape(b, t, d)
-        return y_btd, experts_tk.reshape(b, t, -1)
+        return y_btd, experts_tk.reshape(b, t, -1), stats
 
 
 def reference_experts(x_td: np.ndarray, weights_tk: np.ndarray, experts_tk: np.ndarray, gate_up_efd: np.ndarray,

@@ -232,6 +232,9 @@ def test_an_option_without_a_resume_policy_cannot_be_defined():
     (["--objective", "dpo", "--label-smoothing", "0.5"], "--label-smoothing must be in [0, 0.5), got 0.5"),
     (["--objective", "dpo", "--beta", "0"], "--beta must be a finite number > 0, got 0.0"),
     (["--objective", "kto"], "--objective: invalid choice"),
+    (["--objective", "dpo", "--targets", "q_proj,gate"],
+     "--targets gate (the router) goes with --objective sft, not --objective dpo: its load-balancing loss is added "
+     "to the SFT loss only"),
 ])
 def test_an_option_of_another_objective_is_one_line_and_exit_2(tmp_path, capsys, flags, message):
     from finetune.cli import main

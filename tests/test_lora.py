@@ -60,8 +60,11 @@ def test_subset_of_targets_and_lm_head():
                      "layers.self_attn.v_proj.lora_a", "layers.self_attn.v_proj.lora_b",
                      "lm_head.lora_a", "lm_head.lora_b"}
     tied = CausalLM(ModelConfig(**{**CONFIG.__dict__, "tie_word_embeddings": True}), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="not layers of this model"):
+    with pytest.raises(ValueError, match=re.escape("not layers of this model (tied embeddings have no lm_head)")):
         apply_lora(tied, LoraConfig(targets=("lm_head",)), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=re.escape("LoRA targets ['gate'] are not layers of this model (a model "
+                                                   "without experts has no router or experts)")):
+        apply_lora(CausalLM(CONFIG, rngs=nnx.Rngs(0)), LoraConfig(targets=("q_proj", "gate")), rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("kw, message", [({"rank": 0}, "rank must be a positive integer"),
@@ -139,7 +142,10 @@ def test_lora_b_is_split_over_fsdp_even_when_the_rank_is_not(rank, expected_b):
     assert partition_spec(down_a.get_metadata()["axes"], down_a[...].shape, mesh) == P(None, ("mp", "fsdp"), None)
 
 
-def test_experts_take_no_lora_dropout_as_peft_gives_them_none():
-    with pytest.raises(ValueError, match="LoRA dropout 0.1 on the experts: PEFT adapts them without dropout"):
+def test_experts_and_router_take_no_lora_dropout_as_peft_gives_them_none():
+    with pytest.raises(ValueError, match="LoRA dropout 0.1 on experts.down_proj: PEFT adapts the experts and the "
+                                         "router without dropout"):
         LoraConfig(targets=("q_proj", "experts.down_proj"), dropout=0.1)
+    with pytest.raises(ValueError, match="LoRA dropout 0.1 on gate: "):
+        LoraConfig(targets=("q_proj", "gate"), dropout=0.1)
     assert LoraConfig(targets=("q_proj",), dropout=0.1).dropout == 0.1

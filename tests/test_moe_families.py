@@ -329,7 +329,7 @@ def test_an_experts_adapter_serves_in_peft_with_equal_logits_and_gradients(famil
 
     from jaxmodel.layers import LoRAParam
     from jaxmodel.lora import LoraConfig, apply_lora
-    from jaxmodel.formats.peft_adapter import load_peft_adapter, peft_tensors, save_peft_adapter
+    from jaxmodel.formats.peft_adapter import peft_tensors, save_peft_adapter
 
     source = tiny_qwen3_moe if family == "qwen3_moe" else tiny_mixtral
     convert(source, tmp_path / "jax", progress=False)
@@ -355,12 +355,93 @@ def test_an_experts_adapter_serves_in_peft_with_equal_logits_and_gradients(famil
     grads, got = jax.jit(jax.grad(loss, has_aux=True))(lora)
     assert np.abs(np.asarray(got) - expected).max() <= f32_tolerance(expected)
     ours = peft_tensors(grads, model.config)
-    assert sorted(ours) == sorted(theirs) and any(".experts." in k for k in ours)
+    assert any(".experts." in k for k in ours)
+    _assert_peft_grads(ours, theirs)
+    _assert_reads_back(lora, tmp_path / "jax", tmp_path / "adapter")
+
+
+def _assert_peft_grads(ours: dict, theirs: dict) -> None:
+    """The same LoRA gradients by PEFT name, each within 1e-4 of the larger of 1 and PEFT's largest entry."""
+    assert sorted(ours) == sorted(theirs)
     for name, grad in ours.items():
         assert np.abs(grad - theirs[name]).max() <= 1e-4 * max(1.0, np.abs(theirs[name]).max()), name
-    back = load_peft_adapter(load_pretrained(tmp_path / "jax"), tmp_path / "adapter")
+
+
+def _assert_reads_back(lora, jax_dir: Path, adapter: Path) -> None:
+    """`adapter` read onto the converted model gives the LoRA state `lora` bit for bit."""
+    from flax import nnx
+
+    from jaxmodel.formats.peft_adapter import load_peft_adapter
+    from jaxmodel.layers import LoRAParam
+
+    back = load_peft_adapter(load_pretrained(jax_dir), adapter)
     for (path, mine), (_, read) in zip(nnx.to_flat_state(lora), nnx.to_flat_state(nnx.state(back, LoRAParam))):
         np.testing.assert_array_equal(np.asarray(read[...]), np.asarray(mine[...]), err_msg=str(path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", MOE_TYPES)
+def test_training_the_router_adds_transformers_load_balancing_loss_as_a_peft_run_does(family, tmp_path):
+    """The router (`gate`, PEFT's `target_parameters` `mlp.gate.weight`) adapted: the step's loss is the
+    cross-entropy plus `router_aux_loss_coef` times transformers' load-balancing loss (its `output_router_logits`
+    run, padding left out), and the LoRA gradients PEFT's; exported and read back exactly."""
+    from flax import nnx
+
+    from finetune.step.train_step import loss_and_grads, split_model
+    from jaxmodel.formats.peft_adapter import peft_tensors, save_peft_adapter
+    from jaxmodel.layers import LoRAParam
+    from jaxmodel.lora import LoraConfig, apply_lora
+
+    experts = {"num_experts": 4, "mlp_only_layers": [1], "moe_intermediate_size": 8} if family == "qwen3_moe" else \
+        {"num_local_experts": 4}
+    source = tmp_path / "hf"
+    moe_model({"model_type": family, **SHAPE, **experts, "router_aux_loss_coef": 0.5}).save_pretrained(source)
+    convert(source, tmp_path / "jax", progress=False)
+    lora_config = LoraConfig(rank=2, alpha=6.0, targets=("q_proj", "gate", "experts.down_proj"))
+    model = apply_lora(load_pretrained(tmp_path / "jax"), lora_config, rngs=nnx.Rngs(0))
+    _random_adapters(model)
+    save_peft_adapter(tmp_path / "adapter", nnx.state(model, LoRAParam), lora_config, model_config=model.config,
+                      base_model=str(source))
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_parameters"] == [
+        "mlp.experts.down_proj", "mlp.gate.weight"]
+
+    ids = np.random.default_rng(1).integers(0, 32, (2, 11))
+    lengths = np.array([11, 7])
+    real = np.arange(11)[None] < lengths[:, None]
+    hf = AutoModelForCausalLM.from_pretrained(source, experts_implementation="eager", output_router_logits=True)
+    from peft import PeftModel
+
+    peft = PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True)
+    out = peft(input_ids=torch.tensor(ids), attention_mask=torch.tensor(real.astype(np.int64)),
+               labels=torch.tensor(np.where(real, ids, -100)))
+    out.loss.backward()
+    theirs = {k.replace(".default", ""): p.grad.numpy() for k, p in peft.named_parameters() if p.requires_grad}
+
+    has_next = real & (np.arange(11)[None] + 1 < lengths[:, None])
+    batch = {"input_ids": ids, "targets": np.roll(ids, -1, axis=1), "loss_mask": has_next.astype(np.float32),
+             "segment_ids": real.astype(np.int32), "positions": np.broadcast_to(np.arange(11), (2, 11))}
+    batch = {k: jnp.asarray(v, jnp.float32 if k == "loss_mask" else jnp.int32) for k, v in batch.items()}
+    graphdef, lora, base = split_model(model)
+    loss, _, grads = jax.jit(lambda lora: loss_and_grads(graphdef, lora, base, batch))(lora)
+    assert abs(float(loss) - out.loss.item()) <= 1e-5 * abs(out.loss.item())
+    ours = peft_tensors(grads, model.config)
+    assert any(".mlp.gate." in k for k in ours)
+    _assert_peft_grads(ours, theirs)
+    _assert_reads_back(lora, tmp_path / "jax", tmp_path / "adapter")
+
+    # a row a micro-batch: the cross-entropy over both rows' targets, the load-balancing loss each pass's, averaged
+    peft.zero_grad()
+    coef, targets = hf.config.router_aux_loss_coef, has_next.sum()
+    total = 0
+    for row in range(2):
+        one = peft(input_ids=torch.tensor(ids[row:row + 1, :lengths[row]]),
+                   labels=torch.tensor(ids[row:row + 1, :lengths[row]]))
+        total = total + (one.loss - coef * one.aux_loss) * (lengths[row] - 1) / targets + coef * one.aux_loss / 2
+    total.backward()
+    theirs = {k.replace(".default", ""): p.grad.numpy() for k, p in peft.named_parameters() if p.requires_grad}
+    loss, _, grads = jax.jit(lambda lora: loss_and_grads(graphdef, lora, base, batch, grad_accum=2))(lora)
+    assert abs(float(loss) - total.item()) <= 1e-5 * abs(total.item())
+    _assert_peft_grads(peft_tensors(grads, model.config), theirs)
 
 
 def test_flops_per_token_count_the_active_experts_and_the_dense_layers():

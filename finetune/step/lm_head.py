@@ -13,9 +13,9 @@ from jaxmodel.loss import chunked_token_losses, frozen_head_token_losses, token_
 
 
 def batch_token_losses(model, batch: dict[str, jax.Array], names: tuple[str, ...] = (), *, dropout_key=None,
-                       chunk: int = 0) -> tuple[jax.Array, ...]:
+                       chunk: int = 0, router_stats: bool = False) -> tuple[jax.Array, ...]:
     """(`-log p(target)` float32 `[rows, seq]`, then `batch[name]` for each of `names`), the positions in the
-    model's order.
+    model's order; with `router_stats`, then the routing's `jaxmodel.moe.RouterStats` of the same forward pass.
 
     With `chunk`, the LM head runs over chunks of at most that many positions, so `[rows, seq, vocab]` logits are
     never held at once: a frozen head (no LoRA on `lm_head`) computes each chunk's logits once
@@ -24,7 +24,8 @@ def batch_token_losses(model, batch: dict[str, jax.Array], names: tuple[str, ...
     needs fewer temporaries. Under context parallelism the positions come in the cp order and each device's part of
     a row becomes a row of its own, so that no chunk crosses devices: sums over positions do not care."""
     h_btd = model.hidden_states(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                                dropout_key=dropout_key)
+                                dropout_key=dropout_key, router_stats=router_stats)
+    h_btd, stats = h_btd if router_stats else (h_btd, None)
     arrays = [batch["targets"], *(batch[name] for name in names)]
     rules = model.rules
     order = model.sequence_order(h_btd.shape[1])
@@ -43,4 +44,4 @@ def batch_token_losses(model, batch: dict[str, jax.Array], names: tuple[str, ...
             losses_bt = token_losses(model.head(h_btd), targets_bt)
         else:
             losses_bt = chunked_token_losses(model.head, h_btd, targets_bt, chunk=chunk, rules=rules)
-    return (losses_bt, *rest)
+    return (losses_bt, *rest) + ((stats,) if router_stats else ())

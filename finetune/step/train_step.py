@@ -17,6 +17,7 @@ from finetune.step.lm_head import batch_token_losses
 from finetune.step.preference import Objective, pair_losses, sequence_sums, token_logps
 from jaxmodel import scopes
 from jaxmodel.layers import LoRAParam
+from jaxmodel.moe import load_balancing_loss
 from jaxmodel.sharding import Rules, batch_sharding
 
 BATCH_KEYS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
@@ -72,15 +73,37 @@ def loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, batch: dict[str, 
     """(mean loss, target tokens, d mean loss / d LoRA) over a global batch, one micro-batch at a time.
 
     Sums of per-token losses and gradients are divided once by the batch's target-token count, so the
-    result does not depend on how the batch is split over micro-batches or devices.
+    result does not depend on how the batch is split over micro-batches or devices. A model training its routers
+    (`CausalLM.trains_router`) adds `router_aux_loss_coef` times the load-balancing loss (`sft_terms`).
     """
-    def micro_loss(lora, micro, key):  # (loss sum, target tokens)
-        return loss_sums(nnx.merge(graphdef, base, lora), micro, key, loss_chunk)
+    return sft_terms(graphdef, lora, base, batch, grad_accum, dropout_key, loss_chunk)[:3]
 
-    loss_sum, tokens, grads = summed_over_micro_batches(micro_loss, lora, batch, grad_accum, dropout_key,
-                                                        jnp.float32(0))
-    denom = jnp.maximum(tokens, 1.0)
-    return loss_sum / denom, tokens, jax.tree.map(lambda g: g / denom, grads)
+
+def sft_terms(graphdef, lora: nnx.State, base: nnx.State, batch: dict[str, jax.Array], grad_accum: int = 1,
+              dropout_key=None, loss_chunk: int = 0):
+    """`loss_and_grads` and the mean load-balancing loss of its micro-batches (None unless the routers train).
+
+    transformers adds `router_aux_loss_coef` times the load-balancing loss of each forward pass (its
+    `output_router_logits` run): here each micro-batch's, over its real tokens, averaged over the micro-batches. Its
+    own gradient is scaled to the batch's target tokens before the sums are divided by them, so that the mean loss
+    is the cross-entropy's mean plus the coefficient times that average, whatever the devices."""
+    denom = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+    model = nnx.merge(graphdef, base, lora)
+    router, coef = model.trains_router, model.config.router_aux_loss_coef
+
+    def micro_loss(lora, micro, key):  # (loss sum, (target tokens, load-balancing loss))
+        model = nnx.merge(graphdef, base, lora)
+        if not router:
+            loss_sum, tokens = loss_sums(model, micro, key, loss_chunk)
+            return loss_sum, (tokens, jnp.float32(0))
+        losses_bt, mask_bt, stats = batch_token_losses(model, micro, ("loss_mask",), dropout_key=key,
+                                                       chunk=loss_chunk, router_stats=True)
+        balance = load_balancing_loss(stats)
+        return jnp.sum(losses_bt * mask_bt) + coef * balance * denom / grad_accum, (jnp.sum(mask_bt), balance)
+
+    loss_sum, (tokens, balance), grads = summed_over_micro_batches(micro_loss, lora, batch, grad_accum, dropout_key,
+                                                                   (jnp.float32(0), jnp.float32(0)))
+    return loss_sum / denom, tokens, jax.tree.map(lambda g: g / denom, grads), balance / grad_accum if router else None
 
 
 def summed_over_micro_batches(loss_fn, lora: nnx.State, batch: dict[str, jax.Array], grad_accum: int, dropout_key,
@@ -188,10 +211,12 @@ def build_steps(graphdef, schedule, tx: optax.GradientTransformation, grad_accum
 
     def train_step(state: TrainState, base, batch):
         rng, step_key = jax.random.split(state.rng)
-        loss, tokens, grads = loss_and_grads(graphdef, state.lora, base, batch, grad_accum,
-                                             step_key if dropout else None, loss_chunk)
+        loss, tokens, grads, balance = sft_terms(graphdef, state.lora, base, batch, grad_accum,
+                                                 step_key if dropout else None, loss_chunk)
         lora, opt_state = optimizer_update(tx, grads, state)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step), "tokens": tokens}
+        if balance is not None:  # the routers train: their load-balancing loss, unweighted
+            metrics["router_balance_loss"] = balance
         return TrainState(state.step + 1, lora, opt_state, rng), metrics
 
     def eval_step(lora, base, batch):

@@ -98,6 +98,7 @@ def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dic
     train_rows, eval_rows = pack_data(config, run_data, main, ways=batch_ways(mesh, rules))
 
     config = with_adapter_shape(config)
+    config.check_router_objective()  # an --init-adapter's targets
     param_dtype = None if config.param_dtype == "keep" else DTYPES[config.param_dtype]
     attention = choose_attention(config, llama, mesh.shape.get("cp", 1))
     if main and attention.weighed:  # on stderr beside the data line: stdout's first line is the run's result

@@ -20,7 +20,9 @@ class Family:
     A multimodal class whose decoder this port runs (Gemma 3 from 4B up) also has `text_config`: the key of the
     part of its config.json that describes the decoder, read as the family's; `runtime_prefixes`: where the module
     names of transformers' class (which PEFT and vLLM adapters use) differ from its checkpoint's tensor names, as
-    (checkpoint prefix, module prefix) pairs; and `other_tensors`: a regex of the checkpoint's tensors outside the
+    (checkpoint prefix, module prefix) pairs, and `runtime_modules` where a single module's name differs, as
+    (checkpoint module, module) pairs of table names (Mixtral's router `block_sparse_moe.gate` runs as `mlp.gate`);
+    and `other_tensors`: a regex of the checkpoint's tensors outside the
     decoder (the vision tower), which conversion leaves out; `adapter_excludes`: a regex of the class's modules
     an adapter leaves alone (PEFT's `exclude_modules`), so that its target names match in the decoder only.
 
@@ -39,6 +41,7 @@ class Family:
     text_config: str | None = None
     text_model_type: str | None = None  # the model_type written under text_config
     runtime_prefixes: tuple[tuple[str, str], ...] = ()
+    runtime_modules: tuple[tuple[str, str], ...] = ()
     other_tensors: str | None = None
     adapter_excludes: str | None = None
     experts: tuple["ExpertTensor", ...] = ()
@@ -80,8 +83,9 @@ DEFAULT_WINDOW = 4096
 
 
 def read_experts(fields, count: int) -> dict[str, Any]:
-    """The experts' common fields: `count` experts, `num_experts_per_tok` of them a token (a nonzero
-    `router_jitter_noise`, a perturbation of the router in training, refused)."""
+    """The experts' common fields: `count` experts, `num_experts_per_tok` of them a token, the load-balancing
+    loss's `router_aux_loss_coef` (transformers' default 0.001; a nonzero `router_jitter_noise`, a perturbation of
+    the router in training, refused)."""
     top_k = fields.positive("num_experts_per_tok")
     if top_k > count:
         raise fields.error(f"field 'num_experts_per_tok' ({top_k}) must not exceed the {count} experts")
@@ -89,7 +93,10 @@ def read_experts(fields, count: int) -> dict[str, Any]:
     if jitter:
         raise fields.error(f"field 'router_jitter_noise' is {jitter}: training with a perturbed router is not "
                            "supported (set it to 0)")
-    return dict(num_experts=count, num_experts_per_tok=top_k)
+    coef = fields.get("router_aux_loss_coef", (int, float), 0.001)
+    if coef < 0:
+        raise fields.error(f"field 'router_aux_loss_coef' must not be negative, got {coef}")
+    return dict(num_experts=count, num_experts_per_tok=top_k, router_aux_loss_coef=float(coef))
 
 
 def read_window(fields) -> int | None:

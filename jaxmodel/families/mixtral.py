@@ -44,8 +44,10 @@ def _write(config) -> dict:
             config.round_router_weights:
         raise ValueError("Mixtral's layers are all sparse, their router weights renormalised and float32")
     return {"sliding_window": config.sliding_window, "num_local_experts": config.num_experts,
-            "num_experts_per_tok": config.num_experts_per_tok, "intermediate_size": config.moe_intermediate_size}
+            "num_experts_per_tok": config.num_experts_per_tok,
+            "router_aux_loss_coef": config.router_aux_loss_coef, "intermediate_size": config.moe_intermediate_size}
 
 
 FAMILY = Family("mixtral", "MixtralForCausalLM", MODULES, _read, _write, defaults=(("num_experts_per_tok", 2),),
-                experts=EXPERTS)
+                experts=EXPERTS, runtime_modules=(("model.layers.{i}.block_sparse_moe.gate",
+                                                   "model.layers.{i}.mlp.gate"),))

@@ -52,7 +52,8 @@ def _write(config) -> dict:
     sparse = config.sparse_layers or (False,) * config.num_hidden_layers
     return {"attention_bias": config.qkv_bias, "use_sliding_window": config.sliding_window is not None,
             "sliding_window": config.sliding_window, "num_experts": config.num_experts,
-            "num_experts_per_tok": config.num_experts_per_tok, "moe_intermediate_size": config.moe_intermediate_size,
+            "num_experts_per_tok": config.num_experts_per_tok,
+            "router_aux_loss_coef": config.router_aux_loss_coef, "moe_intermediate_size": config.moe_intermediate_size,
             "norm_topk_prob": config.norm_topk_prob, "decoder_sparse_step": 1,
             "mlp_only_layers": [i for i, s in enumerate(sparse) if not s]}
 

@@ -47,7 +47,7 @@ class NameTable:
 
     def __init__(self, modules: tuple[tuple[str, str], ...], runtime_prefixes: tuple[tuple[str, str], ...] = (),
                  other_tensors: str | None = None, experts: tuple[ExpertTensor, ...] = (),
-                 sparse_layers: tuple[bool, ...] = ()):
+                 sparse_layers: tuple[bool, ...] = (), runtime_modules: tuple[tuple[str, str], ...] = ()):
         # each present stack's layers (None: every layer, the one stack of a model without experts)
         self._stacks = {STACKS[False]: None} if not any(sparse_layers) else {
             STACKS[kind]: layers for kind in (False, True)
@@ -70,6 +70,7 @@ class NameTable:
         for t in experts:
             self._experts.setdefault(t.jax, []).append(t)
         self._runtime_prefixes = runtime_prefixes
+        self._runtime_modules = dict(runtime_modules)
         self._other = re.compile(other_tensors) if other_tensors else None
 
     def is_other(self, name: str) -> bool:
@@ -78,8 +79,11 @@ class NameTable:
 
     def runtime_module(self, jax_module: str, layer: int | None = None) -> str:
         """The module's name in transformers' class as it runs (PEFT's and vLLM's adapter keys): the checkpoint's
-        module name, unless the family renames its prefix (a multimodal class)."""
+        module name, unless the family renames the module or its prefix (a multimodal class)."""
         name = self.hf_module(jax_module, layer)
+        runtime = self._runtime_modules.get(self._by_jax[jax_module])
+        if runtime is not None:
+            name = runtime.format(i=self._hf_layer(jax_module, layer)) if "{i}" in runtime else runtime
         for checkpoint, runtime in self._runtime_prefixes:
             if name.startswith(checkpoint):
                 return runtime + name[len(checkpoint):]
@@ -166,7 +170,8 @@ def _pattern(hf: str, params: tuple[str, ...] = ()) -> re.Pattern:
 @functools.cache
 def _table(model_type: str, sparse_layers: tuple[bool, ...]) -> NameTable:
     family = FAMILIES[model_type]
-    return NameTable(family.modules, family.runtime_prefixes, family.other_tensors, family.experts, sparse_layers)
+    return NameTable(family.modules, family.runtime_prefixes, family.other_tensors, family.experts, sparse_layers,
+                     family.runtime_modules)
 
 
 def names_of(config) -> NameTable:

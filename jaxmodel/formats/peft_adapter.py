@@ -9,7 +9,9 @@ The routed experts' adapters are PEFT's `target_parameters` layout on transforme
 module `mlp.experts`, its parameters `gate_up_proj` and `down_proj`): `lora_A` `[e * r, in]`, rows expert-major (row
 `e * r + k`), and `lora_B` `[out, e * r]`, columns rank-major (column `k * e_count + e`). PEFT wraps the parameters
 of one module in nested wrappers, gate_up innermost: with both adapted, gate_up's keys are the module's
-`base_layer.lora_A/B` and down's its own `lora_A/B`; with one, that one's are the module's own.
+`base_layer.lora_A/B` and down's its own `lora_A/B`; with one, that one's are the module's own. A sparse layer's
+router (target `gate`) is transformers 5's bare parameter `mlp.gate.weight`, adapted as a `target_parameters` too,
+its keys those of a linear layer's adapter.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from jaxmodel.errors import UserError
 from jaxmodel.formats.atomic import atomic_directory
 from jaxmodel.formats.hf_names import names_of
 from jaxmodel.formats.io import read_json
-from jaxmodel.lora import EXPERT_TARGETS, LoraConfig, apply_lora, is_expert_projection, target_linears
+from jaxmodel.lora import (EXPERT_TARGETS, PARAMETER_TARGETS, ROUTER_TARGET, LoraConfig, apply_lora,
+                           is_expert_projection, target_linears)
 from jaxmodel.formats.safetensors_file import DTYPES
 
 PREFIX = "base_model.model."
@@ -34,6 +37,20 @@ ADAPTER_CONFIG = "adapter_config.json"
 # The PEFT release whose adapter_config.json field set adapter_config() writes (tests compare with its own).
 PEFT_VERSION = "0.21.2"
 EXPORT_DTYPES = {"float32": DTYPES["F32"], "bfloat16": DTYPES["BF16"], "float16": DTYPES["F16"]}
+
+
+# PEFT's `target_parameters` entry of each target it adapts as a parameter
+TARGET_PARAMETERS = {**{t: f"mlp.{t}" for t in EXPERT_TARGETS}, ROUTER_TARGET: f"mlp.{ROUTER_TARGET}.weight"}
+
+
+def parameter_target(name: str) -> str | None:
+    """The target of a `target_parameters` entry (`mlp.experts.down_proj`, `model.layers.0.mlp.gate.weight`, ...),
+    None for one this port does not adapt."""
+    def matches(entry):  # as PEFT matches an entry: by its end, `mlp.` and all
+        tail = entry.removeprefix("mlp.")
+        return name == tail or name.endswith("." + tail)
+
+    return next((t for t, entry in TARGET_PARAMETERS.items() if matches(entry)), None)
 
 
 class AdapterError(ValueError, UserError):
@@ -115,8 +132,9 @@ def adapter_config(lora_config: LoraConfig, base_model: str, revision: str | Non
         "lora_dropout": lora_config.dropout, "lora_ga_config": None, "megatron_config": None,
         "megatron_core": "megatron.core", "modules_to_save": None, "monteclora_config": None, "peft_type": "LORA",
         "peft_version": PEFT_VERSION, "qalora_group_size": 16, "r": lora_config.rank, "rank_pattern": {},
-        "revision": revision, "target_modules": sorted(set(lora_config.targets) - set(EXPERT_TARGETS)),
-        "target_parameters": sorted(f"mlp.{t}" for t in lora_config.targets if t in EXPERT_TARGETS) or None,
+        "revision": revision, "target_modules": sorted(set(lora_config.targets) - set(PARAMETER_TARGETS)),
+        "target_parameters": sorted(TARGET_PARAMETERS[t] for t in lora_config.targets if t in PARAMETER_TARGETS)
+        or None,
         "task_type": "CAUSAL_LM", "trainable_token_indices": None, "use_bdlora": None, "use_dora": False,
         "use_qalora": False, "use_rslora": lora_config.rslora, "velora_config": None,
     }
@@ -195,10 +213,10 @@ def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, np.ndar
         raise AdapterError(f"{config_path}: field 'target_modules' is a regex; an explicit list is supported")
     parameters = raw.get("target_parameters") or []
     for name in parameters:
-        if not isinstance(name, str) or ".".join(name.split(".")[-2:]) not in EXPERT_TARGETS:
-            raise AdapterError(f"{config_path}: field 'target_parameters' names {name!r}; supported: the experts' "
-                               f"{', '.join('mlp.' + t for t in EXPERT_TARGETS)}")
-    targets = [*targets, *(".".join(name.split(".")[-2:]) for name in parameters)]
+        if not isinstance(name, str) or parameter_target(name) is None:
+            raise AdapterError(f"{config_path}: field 'target_parameters' names {name!r}; supported: "
+                               f"{', '.join(TARGET_PARAMETERS.values())}")
+    targets = [*targets, *(parameter_target(name) for name in parameters)]
     try:
         lora_config = LoraConfig(rank=int(raw["r"]), alpha=float(raw["lora_alpha"]), targets=tuple(targets),
                                  rslora=bool(raw.get("use_rslora", False)), dropout=float(raw.get("lora_dropout", 0.0)))
