@@ -32,7 +32,7 @@ from jaxmodel.formats.hf_checkpoint import AUX_FILES, close_file, iter_chunks, l
 from jaxmodel.formats.hf_names import names_of
 from jaxmodel.formats.io import pwrite_all
 from jaxmodel.formats.safetensors_file import write_header
-from jaxmodel.lora import LoraConfig, is_expert_projection
+from jaxmodel.lora import LoraConfig, is_expert_projection, target_name
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)B?", re.IGNORECASE)
 
 
@@ -183,7 +183,7 @@ def save_merged(out: str | Path, base: str | Path | MergeBase, lora: nnx.State, 
             for number, shard in enumerate(shards, 1):
                 file = "model.safetensors" if len(shards) == 1 else \
                     f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-                total += _write_shard(tmp / file, shard, base, adapters, lora_config.scale)
+                total += _write_shard(tmp / file, shard, base, adapters, lora_config)
                 weight_map.update({t.name: file for t in shard})
             if len(shards) > 1:
                 (tmp / "model.safetensors.index.json").write_text(json.dumps(
@@ -202,7 +202,7 @@ def save_merged(out: str | Path, base: str | Path | MergeBase, lora: nnx.State, 
     return out
 
 
-def _write_shard(file: Path, shard: list[BaseTensor], base: MergeBase, adapters, scale: float) -> int:
+def _write_shard(file: Path, shard: list[BaseTensor], base: MergeBase, adapters, lora_config: LoraConfig) -> int:
     fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         locations = write_header(fd, [(t.name, t.dtype, t.shape) for t in shard], {"format": "pt"})
@@ -220,6 +220,7 @@ def _write_shard(file: Path, shard: list[BaseTensor], base: MergeBase, adapters,
                 else:  # one expert's rows: [rows, in]
                     expert, first, rows = tensor.part
                     delta = b[expert, first:first + rows] @ a[expert]
+                scale = lora_config.scale_of(target_name(module))
                 weight = (weight.astype(np.float32) + scale * delta).astype(weight.dtype)
             pwrite_all(fd, np.ascontiguousarray(weight).view(np.uint8).reshape(-1), locations[tensor.name].offset)
         os.fsync(fd)

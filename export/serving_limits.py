@@ -29,14 +29,15 @@ def serving_warnings(lora: LoraConfig, model: ModelConfig) -> list[str]:
     warnings = []
     merged = "serve the merged model (export-peft --merge) instead"
     family = f"vLLM {VLLM_VERSION}'s {model.family.architecture}"
-    if lora.rank > DEFAULT_MAX_LORA_RANK:
-        option = next((r for r in MAX_LORA_RANKS if r >= lora.rank), None)
+    rank = lora.max_rank  # vLLM checks the largest of r and rank_pattern's
+    if rank > DEFAULT_MAX_LORA_RANK:
+        option = next((r for r in MAX_LORA_RANKS if r >= rank), None)
         if option is None:
-            warnings.append(f"rank {lora.rank} is above the largest --max-lora-rank vLLM {VLLM_VERSION} accepts "
+            warnings.append(f"rank {rank} is above the largest --max-lora-rank vLLM {VLLM_VERSION} accepts "
                             f"({MAX_LORA_RANKS[-1]}), so vLLM cannot serve this adapter; serve the merged model "
                             "(export-peft --merge) instead")
         else:
-            warnings.append(f"rank {lora.rank} is above vLLM's default --max-lora-rank {DEFAULT_MAX_LORA_RANK}, "
+            warnings.append(f"rank {rank} is above vLLM's default --max-lora-rank {DEFAULT_MAX_LORA_RANK}, "
                             f"so vLLM {VLLM_VERSION} refuses this adapter unless started with --max-lora-rank "
                             f"{option}")
     if "lm_head" in lora.targets and model.family.other_tensors is not None:

@@ -130,12 +130,19 @@ class TrainConfig:
                           "the load-balancing loss). The default on a model with experts: the attention projections "
                           "and the experts",
                           resume=Refused("which modules have stored adapters"))
+    rank_pattern: str | None = option(None, "ranks of their own for some targets, TARGET=R[,TARGET=R...], the "
+                                            "others --rank (PEFT's rank_pattern: one rank a target in every layer)",
+                                      resume=Refused("the shape of the stored adapters"))
+    alpha_pattern: str | None = option(None, "alphas of their own for some targets, TARGET=ALPHA[,...], the others "
+                                             "--alpha (PEFT's alpha_pattern)",
+                                       resume=Refused("the adapters' scale (export writes it from run_config.json)"))
     rslora: bool = option(False, "rank-stabilised LoRA scaling alpha / sqrt(r)",
                           resume=Refused("the adapters' scale (export writes it from run_config.json)"))
     lora_dropout: float = option(0.0, "dropout on the LoRA branch's input, as PEFT's lora_dropout",
                                  resume=Refused("the function being trained"))
-    init_adapter: str | None = option(None, "start from this PEFT LoRA adapter directory; its r, alpha, rsLoRA and "
-                                            "targets replace --rank/--alpha/--rslora/--targets",
+    init_adapter: str | None = option(None, "start from this PEFT LoRA adapter directory; its r, alpha, patterns, "
+                                            "rsLoRA and targets replace --rank/--alpha/--rank-pattern/"
+                                            "--alpha-pattern/--rslora/--targets",
                                       resume=Refused("the starting point and shape of the adapters"))
     # optimisation
     steps: int = option(100, "optimizer steps",
@@ -300,7 +307,8 @@ class TrainConfig:
         from jaxmodel.lora import LoraConfig
 
         return LoraConfig(rank=self.rank, alpha=self.alpha, targets=self.adapted(model), rslora=self.rslora,
-                          dropout=self.lora_dropout)
+                          dropout=self.lora_dropout, rank_pattern=_pattern(self.rank_pattern, "rank", int),
+                          alpha_pattern=_pattern(self.alpha_pattern, "alpha", float))
 
     def adapted(self, model=None) -> tuple[str, ...]:
         """The targets for the base `model`: `--targets` as given, or, when left at the default on a model with
@@ -329,8 +337,11 @@ class TrainConfig:
             raise ConfigFileError(f"--batch-size {self.batch_size} must be a multiple of --grad-accum {self.grad_accum}")
         try:
             self.lora_config()
+        except ConfigFileError:
+            raise
         except ValueError as e:
-            raise ConfigFileError(f"--rank/--alpha/--targets/--lora-dropout: {e}") from None
+            raise ConfigFileError(f"--rank/--alpha/--targets/--lora-dropout/--rank-pattern/--alpha-pattern: {e}") \
+                from None
         self._validate_objective()
         for name in ("fit", "device_model", "plan_json"):
             if getattr(self, name) and not self.plan:
@@ -383,6 +394,19 @@ class TrainConfig:
         if self.preference and "gate" in self.target_modules:
             raise ConfigFileError(f"--targets gate (the router) goes with --objective sft, not --objective "
                                   f"{self.objective}: its load-balancing loss is added to the SFT loss only")
+
+
+def _pattern(text: str | None, what: str, kind: type) -> dict[str, Any]:
+    """`--rank-pattern`/`--alpha-pattern` TARGET=VALUE,... as {target: value}."""
+    pattern = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        target, _, value = item.partition("=")
+        try:
+            pattern[target.strip()] = kind(value)
+        except ValueError:
+            raise ConfigFileError(f"--{what}-pattern {text!r}: expected TARGET={what.upper()} pairs separated by "
+                                  "commas") from None
+    return pattern
 
 
 # (accepts(value), what is expected) for each numeric option; comparisons with NaN are false, so NaN is refused.

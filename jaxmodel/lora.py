@@ -40,15 +40,32 @@ PARAMETER_TARGETS = EXPERT_TARGETS + (ROUTER_TARGET,)
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
+    """An adapter's shape: rank r and alpha for every target, but the targets `rank_pattern` and `alpha_pattern`
+    give their own (PEFT's patterns, each resolved to one value a target: a target's layers are one stacked array,
+    so they take one rank; pairs of (target, value), or a dict)."""
+
     rank: int = 8
     alpha: float = 16.0
     targets: tuple[str, ...] = ALL_TARGETS
     rslora: bool = False
     dropout: float = 0.0
+    rank_pattern: tuple[tuple[str, int], ...] = ()
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
         if self.rank <= 0:
             raise ValueError(f"LoRA rank must be a positive integer, got {self.rank}")
+        for name, kind in (("rank_pattern", int), ("alpha_pattern", float)):
+            pairs = getattr(self, name)
+            pairs = tuple(sorted((pairs.items() if isinstance(pairs, dict) else pairs)))
+            for target, value in pairs:
+                if target not in self.targets:
+                    raise ValueError(f"LoRA {name} names {target!r}, which is not among the targets")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
+                        kind is int and value != int(value)):
+                    raise ValueError(f"LoRA {name} gives {target!r} {value!r}: expected a positive "
+                                     f"{'integer' if kind is int else 'number'}")
+            object.__setattr__(self, name, tuple((target, kind(value)) for target, value in pairs))
         known = ALL_TARGETS + ("lm_head",) + PARAMETER_TARGETS
         unknown = sorted(set(self.targets) - set(known))
         if unknown or not self.targets:
@@ -60,9 +77,25 @@ class LoraConfig:
             raise ValueError(f"LoRA dropout {self.dropout:g} on {', '.join(without)}: PEFT adapts the experts and "
                              "the router without dropout (set it to 0, or leave them out of the targets)")
 
+    def rank_of(self, target: str) -> int:
+        return int(dict(self.rank_pattern).get(target, self.rank))
+
+    def alpha_of(self, target: str) -> float:
+        return float(dict(self.alpha_pattern).get(target, self.alpha))
+
+    def scale_of(self, target: str) -> float:
+        """The adapter's factor on `target`: alpha / r (alpha / sqrt(r) with rsLoRA), each the target's own."""
+        rank = self.rank_of(target)
+        return self.alpha_of(target) / (math.sqrt(rank) if self.rslora else rank)
+
     @property
     def scale(self) -> float:
+        """The factor of the targets without a pattern of their own."""
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    @property
+    def max_rank(self) -> int:
+        return max(self.rank_of(t) for t in self.targets)
 
 
 def target_linears(model: CausalLM, targets: tuple[str, ...]) -> Iterator[tuple[str, Linear | GroupedLinear]]:
@@ -97,28 +130,29 @@ def apply_lora(model: CausalLM, config: LoraConfig, *, rngs: nnx.Rngs) -> Causal
                if missing & set(names)]
         raise ValueError(f"LoRA targets {sorted(missing)} are not layers of this model"
                          + (f" ({'; '.join(why)})" if why else ""))
-    for _, linear in found:
+    for path, linear in found:
+        rank, scale = config.rank_of(target_name(path)), config.scale_of(target_name(path))
         if isinstance(linear, GroupedLinear):
-            _expert_adapters(linear, config, rngs)
+            _expert_adapters(linear, rank, scale, rngs)
             continue
         *lead, out_features, in_features = linear.weight_shape
         *lead_axes, out_axis, in_axis = linear.weight_axes
         bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on torch's [r, in] lora_A
-        a = jax.random.uniform(rngs.params(), (*lead, in_features, config.rank), jnp.float32, -bound, bound)
+        a = jax.random.uniform(rngs.params(), (*lead, in_features, rank), jnp.float32, -bound, bound)
         linear.lora_a = LoRAParam(a, axes=(*lead_axes, (in_axis, "lora_rank"), "lora_rank"))
-        linear.lora_b = LoRAParam(jnp.zeros((*lead, config.rank, out_features), jnp.float32),
+        linear.lora_b = LoRAParam(jnp.zeros((*lead, rank, out_features), jnp.float32),
                                   axes=(*lead_axes, "lora_rank", (out_axis, "lora_rank")))
-        linear.lora_scale = config.scale
+        linear.lora_scale = scale
         linear.lora_dropout = config.dropout
     return model
 
 
-def _expert_adapters(linear: GroupedLinear, config: LoraConfig, rngs: nnx.Rngs) -> None:
+def _expert_adapters(linear: GroupedLinear, rank: int, scale: float, rngs: nnx.Rngs) -> None:
     *lead, experts, out_features, in_features = linear.weight_shape
     *lead_axes, expert_axis, out_axis, in_axis = linear.weight_axes
     bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on PEFT's [e * r, in] lora_A
-    a = jax.random.uniform(rngs.params(), (*lead, experts, config.rank, in_features), jnp.float32, -bound, bound)
+    a = jax.random.uniform(rngs.params(), (*lead, experts, rank, in_features), jnp.float32, -bound, bound)
     linear.lora_a = LoRAParam(a, axes=(*lead_axes, expert_axis, "lora_rank", (in_axis, "lora_rank")))
-    linear.lora_b = LoRAParam(jnp.zeros((*lead, experts, out_features, config.rank), jnp.float32),
+    linear.lora_b = LoRAParam(jnp.zeros((*lead, experts, out_features, rank), jnp.float32),
                               axes=(*lead_axes, expert_axis, (out_axis, "lora_rank"), "lora_rank"))
-    linear.lora_scale = config.scale
+    linear.lora_scale = scale

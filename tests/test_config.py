@@ -167,6 +167,13 @@ def test_choices_are_checked_for_configs_built_in_python():
                        "most 32"),
     (["--rank", "65", "--targets", "q_proj,o_proj"], "--rank 65 is larger than the smallest adapted layer: q_proj "
                                                      "(64 -> 64) allows a rank of at most 64"),
+    (["--rank", "33", "--rank-pattern", "k_proj=32"],
+     "--rank 33 is larger than the smallest adapted layer: v_proj (64 -> 32) allows a rank of at most 32"),
+    (["--rank-pattern", "k_proj=33"], "--rank-pattern gives k_proj rank 33, larger than its layer (64 -> 32) "
+                                      "allows: at most 32"),
+    (["--rank-pattern", "k_proj:4"], "--rank-pattern 'k_proj:4': expected TARGET=RANK pairs separated by commas"),
+    (["--alpha-pattern", "lm_head=2"], "--rank/--alpha/--targets/--lora-dropout/--rank-pattern/--alpha-pattern: "
+                                       "LoRA alpha_pattern names 'lm_head', which is not among the targets"),
 ])
 def test_a_rank_larger_than_a_layer_is_refused_before_the_run_dir_exists(tmp_path, tiny_converted, capsys, args,
                                                                         message):
@@ -185,6 +192,8 @@ def test_the_largest_rank_a_layer_holds_is_accepted(tiny_converted):
     llama = ModelConfig.from_hf(tiny_converted)
     check_rank(TrainConfig(model="m", data="d", out="o", rank=32).validate(), llama)
     check_rank(TrainConfig(model="m", data="d", out="o", rank=64, targets="q_proj,o_proj").validate(), llama)
+    check_rank(TrainConfig(model="m", data="d", out="o", rank=64, rank_pattern="k_proj=32",
+                           targets="q_proj,k_proj,o_proj").validate(), llama)
 
 
 # ---- each option's policy, declared beside it ----------------------------------------------------------

@@ -1,5 +1,6 @@
 """PEFT export and import against real peft + transformers: same keys, same outputs, round trips."""
 
+import dataclasses
 import json
 import warnings
 import zlib
@@ -19,7 +20,7 @@ from conftest import run_model
 from converter import convert
 from demo.tiny import build_tiny_model
 from export.cli import main as export_main
-from jaxmodel.formats.peft_adapter import AdapterError, load_peft_adapter, save_peft_adapter
+from jaxmodel.formats.peft_adapter import AdapterError, load_peft_adapter, read_adapter, save_peft_adapter
 from finetune.config import TrainConfig
 from finetune.train.loop import run_training
 from jaxmodel import load_pretrained
@@ -71,7 +72,8 @@ def peft_logits(hf_dir, adapter_dir) -> tuple[np.ndarray, np.ndarray, list]:
 
 
 @pytest.mark.parametrize("lora_kw", [{}, {"rslora": True, "alpha": 8.0, "rank": 4},
-                                     {"targets": ("q_proj", "v_proj", "down_proj")}])
+                                     {"targets": ("q_proj", "v_proj", "down_proj"), "rank_pattern": {"down_proj": 3},
+                                      "alpha_pattern": {"v_proj": 5.0, "down_proj": 2.0}}])
 @pytest.mark.slow
 def test_peft_serves_our_adapter_with_identical_outputs(tmp_path, tiny_checkpoint, tiny_converted, lora_kw):
     lora_config = LoraConfig(**lora_kw)
@@ -139,10 +141,15 @@ def test_tied_embeddings_and_bf16_export(tmp_path):
 def test_round_trip_peft_to_jax_to_peft_is_exact(tmp_path, tiny_checkpoint, tiny_converted):
     hf = HFLlamaForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
     config = PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "up_proj"], use_rslora=True,
+                            rank_pattern={"k_proj": 2}, alpha_pattern={r"layers\.\d+\.mlp\.up_proj": 3},
                             init_lora_weights=False, task_type="CAUSAL_LM")  # random, non-zero B
     get_peft_model(hf, config).save_pretrained(tmp_path / "peft")
     model = load_peft_adapter(load_pretrained(tiny_converted), tmp_path / "peft")
-    lora_config = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "k_proj", "up_proj"), rslora=True)
+    lora_config = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "k_proj", "up_proj"), rslora=True,
+                             rank_pattern={"k_proj": 2}, alpha_pattern={"up_proj": 3.0})
+    read = read_adapter(tmp_path / "peft")[0]
+    assert dataclasses.replace(read, targets=tuple(sorted(read.targets))) == \
+        dataclasses.replace(lora_config, targets=tuple(sorted(lora_config.targets)))
     save_peft_adapter(tmp_path / "again", nnx.state(model, LoRAParam), lora_config,
                       model_config=model.config, base_model="x")
     first, again = load_file(tmp_path / "peft" / "adapter_model.safetensors"), \
@@ -238,13 +245,15 @@ def test_run_config_with_unknown_options_is_one_line(tmp_path, run_dir, capsys):
 def test_finetune_can_start_from_a_peft_adapter(tmp_path, run_dir, tiny_checkpoint, tiny_converted):
     hf = HFLlamaForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
     get_peft_model(hf, PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                                      rank_pattern={"v_proj": 2}, alpha_pattern={"q_proj": 3},
                                       task_type="CAUSAL_LM")).save_pretrained(tmp_path / "peft")
     out = tmp_path / "run"
     run_training(TrainConfig(model=str(tiny_converted), data=str(run_dir.parent / "train.jsonl"), out=str(out), steps=1,
                       batch_size=8, seq_len=32, dtype="float32", lr=1e-9, progress=False,
                       init_adapter=str(tmp_path / "peft")).validate())
     recorded = json.loads((out / "run_config.json").read_text())
-    assert (recorded["rank"], recorded["alpha"], recorded["targets"]) == (4, 8.0, "q_proj,v_proj")
+    assert (recorded["rank"], recorded["alpha"], recorded["targets"], recorded["rank_pattern"],
+            recorded["alpha_pattern"]) == (4, 8.0, "q_proj,v_proj", "v_proj=2", "q_proj=3.0")
     assert export_main(["--run", str(out), "--out", str(tmp_path / "again")]) == 0
     first = load_file(tmp_path / "peft" / "adapter_model.safetensors")
     again = load_file(tmp_path / "again" / "adapter_model.safetensors")
@@ -278,10 +287,12 @@ def test_bad_shard_size(tmp_path, run_dir, capsys):
     assert "--max-shard-size 'lots': expected a size" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("field, value", [("modules_to_save", ["lm_head"]), ("rank_pattern", {"q_proj": 16}),
-                                          ("alpha_pattern", {"q_proj": 4}), ("layers_to_transform", [0]),
-                                          ("bias", "all"), ("target_modules", "q_proj|v_proj")])
+@pytest.mark.parametrize("field, value", [
+    ("modules_to_save", ["lm_head"]), ("rank_pattern", {r"model\.layers\.0\.self_attn\.q_proj": 16}),
+    ("alpha_pattern", {"layers.1.self_attn.v_proj": 4}), ("rank_pattern", {"(": 4}), ("layers_to_transform", [0]),
+    ("bias", "all"), ("target_modules", "q_proj|v_proj")])
 def test_peft_variants_we_do_not_run_are_refused(tmp_path, tiny_converted, field, value):
+    """A pattern that gives a target's layers different values (PEFT's per-layer ranks) is one of them."""
     model = jax_lora_model(tiny_converted, LoraConfig(targets=("q_proj", "v_proj")))
     adapter = save_peft_adapter(tmp_path / "a", nnx.state(model, LoRAParam), LoraConfig(targets=("q_proj", "v_proj")),
                                 model_config=model.config, base_model="x")

@@ -318,12 +318,14 @@ def tiny_mixtral(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, targets", [
-    ("qwen3_moe", ("q_proj", "experts.gate_up_proj", "experts.down_proj")),  # both: gate_up under base_layer
-    ("mixtral", ("experts.down_proj",)),
-    ("mixtral", ("experts.gate_up_proj", "v_proj")),
+@pytest.mark.parametrize("family, targets, patterns", [
+    # both: gate_up under base_layer; ranks and alphas of their own on two targets
+    ("qwen3_moe", ("q_proj", "experts.gate_up_proj", "experts.down_proj"),
+     dict(rank_pattern={"experts.gate_up_proj": 3}, alpha_pattern={"experts.down_proj": 5.0, "q_proj": 1.0})),
+    ("mixtral", ("experts.down_proj",), {}),
+    ("mixtral", ("experts.gate_up_proj", "v_proj"), {}),
 ])
-def test_an_experts_adapter_serves_in_peft_with_equal_logits_and_gradients(family, targets, tiny_qwen3_moe,
+def test_an_experts_adapter_serves_in_peft_with_equal_logits_and_gradients(family, targets, patterns, tiny_qwen3_moe,
                                                                          tiny_mixtral, tmp_path):
     from flax import nnx
 
@@ -333,12 +335,14 @@ def test_an_experts_adapter_serves_in_peft_with_equal_logits_and_gradients(famil
 
     source = tiny_qwen3_moe if family == "qwen3_moe" else tiny_mixtral
     convert(source, tmp_path / "jax", progress=False)
-    lora_config = LoraConfig(rank=2, alpha=6.0, targets=targets)
+    lora_config = LoraConfig(rank=2, alpha=6.0, targets=targets, **patterns)
     model = apply_lora(load_pretrained(tmp_path / "jax"), lora_config, rngs=nnx.Rngs(0))
     _random_adapters(model)
     save_peft_adapter(tmp_path / "adapter", nnx.state(model, LoRAParam), lora_config, model_config=model.config,
                       base_model=str(source))
     peft = _peft_model(source, tmp_path / "adapter")
+    if patterns:
+        assert peft.base_model.model.model.layers[0].mlp.experts.base_layer.r["default"] == 3
     ids = np.random.default_rng(1).integers(0, 32, (2, 11))
     weights = np.random.default_rng(2).standard_normal((2, 11, 32)).astype(np.float32)
     logits = peft(torch.tensor(ids)).logits
@@ -444,6 +448,71 @@ def test_training_the_router_adds_transformers_load_balancing_loss_as_a_peft_run
     _assert_peft_grads(peft_tensors(grads, model.config), theirs)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", MOE_TYPES)
+def test_a_transformers4_per_expert_adapter_reads_as_peft_converts_it_and_exports_fused(family, tiny_qwen3_moe,
+                                                                                      tiny_mixtral, tmp_path):
+    """A transformers-4 adapter of each expert's modules (Qwen3-MoE's gate_proj/up_proj/down_proj, Mixtral's
+    w1/w3/w2) beside attention's: the JAX model's logits are PEFT's, which converts it to the fused experts (gate_up
+    of rank 2r); its export in that layout (a rank_pattern) loads in PEFT with the same logits."""
+    from flax import nnx
+    from peft import LoraConfig as PeftLoraConfig
+    from safetensors.numpy import save_file
+
+    from jaxmodel.formats.peft_adapter import load_peft_adapter, save_peft_adapter
+    from jaxmodel.layers import LoRAParam
+
+    source = tiny_qwen3_moe if family == "qwen3_moe" else tiny_mixtral
+    convert(source, tmp_path / "jax", progress=False)
+    shorts = ("gate_proj", "up_proj", "down_proj") if family == "qwen3_moe" else ("w1", "w3", "w2")
+    module = "mlp.experts" if family == "qwen3_moe" else "block_sparse_moe.experts"
+    config = AutoConfig.from_pretrained(source)
+    rng, r = np.random.default_rng(3), 2
+    sparse = [i for i, s in enumerate(sparse_flags(config)) if s]
+    shapes = {shorts[0]: (config.hidden_size, config.moe_intermediate_size if family == "qwen3_moe" else
+                          config.intermediate_size)}
+    shapes[shorts[1]] = shapes[shorts[0]]
+    shapes[shorts[2]] = shapes[shorts[0]][::-1]
+    heads = config.num_attention_heads
+    q = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+    tensors = {}
+    for i in range(config.num_hidden_layers):
+        name = f"base_model.model.model.layers.{i}.self_attn.q_proj"
+        tensors[name + ".lora_A.weight"] = rng.standard_normal((r, config.hidden_size)).astype(np.float32)
+        tensors[name + ".lora_B.weight"] = 0.3 * rng.standard_normal((q, r)).astype(np.float32)
+        for e in range(4 if i in sparse else 0):
+            for short, (n_in, n_out) in shapes.items():
+                name = f"base_model.model.model.layers.{i}.{module}.{e}.{short}"
+                tensors[name + ".lora_A.weight"] = rng.standard_normal((r, n_in)).astype(np.float32)
+                tensors[name + ".lora_B.weight"] = 0.3 * rng.standard_normal((n_out, r)).astype(np.float32)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    save_file(tensors, adapter / "adapter_model.safetensors", metadata={"format": "pt"})
+    PeftLoraConfig(r=r, lora_alpha=6, target_modules=["q_proj", *shorts], task_type="CAUSAL_LM",
+                   base_model_name_or_path=str(source)).save_pretrained(adapter)
+
+    ids = np.random.default_rng(1).integers(0, 32, (2, 11))
+    with torch.no_grad():
+        theirs = _peft_model(source, adapter)(torch.tensor(ids)).logits.numpy()
+        plain = AutoModelForCausalLM.from_pretrained(source, experts_implementation="eager")(
+            torch.tensor(ids)).logits.numpy()
+    model = load_peft_adapter(load_pretrained(tmp_path / "jax"), adapter)
+    ours = np.asarray(model(jnp.asarray(ids, jnp.int32)))
+    assert np.abs(theirs - plain).max() > 1e-2
+    assert np.abs(ours - theirs).max() <= f32_tolerance(theirs)
+    from jaxmodel.formats.peft_adapter import read_adapter
+
+    lora_config = read_adapter(adapter, model.config)[0]
+    assert (sorted(lora_config.targets), lora_config.rank_pattern, lora_config.alpha_pattern) == (
+        ["experts.down_proj", "experts.gate_up_proj", "q_proj"], (("experts.gate_up_proj", 4),),
+        (("experts.gate_up_proj", 12.0),))
+    save_peft_adapter(tmp_path / "fused", nnx.state(model, LoRAParam), lora_config, model_config=model.config,
+                      base_model=str(source))
+    with torch.no_grad():
+        again = _peft_model(source, tmp_path / "fused")(torch.tensor(ids)).logits.numpy()
+    assert np.abs(again - theirs).max() <= f32_tolerance(theirs)
+
+
 def test_flops_per_token_count_the_active_experts_and_the_dense_layers():
     from finetune.step.flops import flops_per_token
 
@@ -469,7 +538,8 @@ def test_a_merge_folds_each_experts_adapter_into_a_checkpoint_of_the_familys_cla
     source = tiny_qwen3_moe if family == "qwen3_moe" else tiny_mixtral
     convert(source, tmp_path / "jax", progress=False)
     lora_config = LoraConfig(rank=2, alpha=4.0, targets=("k_proj", "experts.gate_up_proj", "experts.down_proj",
-                                                         *(("down_proj",) if family == "qwen3_moe" else ())))
+                                                         *(("down_proj",) if family == "qwen3_moe" else ())),
+                             rank_pattern={"experts.down_proj": 3}, alpha_pattern={"k_proj": 1.0})  # own scales
     model = apply_lora(load_pretrained(tmp_path / "jax"), lora_config, rngs=nnx.Rngs(0))
     _random_adapters(model, seed=4)
     ids = np.random.default_rng(3).integers(0, 32, (2, 10))

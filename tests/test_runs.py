@@ -240,6 +240,8 @@ REFUSED = {
     "rank": (["--rank", "4"], "8 -> 4"),
     "alpha": (["--alpha", "8"], "16.0 -> 8.0"),
     "targets": (["--targets", "q_proj"], "q_proj,v_proj -> q_proj"),
+    "rank_pattern": (["--rank-pattern", "q_proj=4"], "None -> q_proj=4"),
+    "alpha_pattern": (["--alpha-pattern", "v_proj=2"], "None -> v_proj=2"),
     "rslora": (["--rslora"], "False -> True"),
     "lora_dropout": (["--lora-dropout", "0.1"], "0.0 -> 0.1"),
     "init_adapter": (["--init-adapter", "{adapter}"], "None -> {adapter}"),

@@ -58,8 +58,13 @@ def check_rank(config: TrainConfig, llama: ModelConfig) -> None:
     """A LoRA rank no larger than the smallest dimension of any adapted layer (a larger one adds parameters
     that cannot raise the update's rank, and can make the adapters larger than the model)."""
     shapes = layer_shapes(llama)
-    name = min((t for t in config.target_modules if t in shapes), key=lambda t: min(shapes[t]), default=None)
-    if name is not None and config.rank > min(shapes[name]):
+    lora = config.lora_config(llama)
+    own = dict(lora.rank_pattern)
+    for name in sorted((t for t in lora.targets if t in shapes), key=lambda t: min(shapes[t])):
         (n_in, n_out), most = shapes[name], min(shapes[name])
-        raise ConfigFileError(f"--rank {config.rank} is larger than the smallest adapted layer: {name} ({n_in} -> "
-                              f"{n_out}) allows a rank of at most {most}")
+        if name in own and own[name] > most:
+            raise ConfigFileError(f"--rank-pattern gives {name} rank {own[name]}, larger than its layer ({n_in} -> "
+                                  f"{n_out}) allows: at most {most}")
+        if name not in own and lora.rank > most:
+            raise ConfigFileError(f"--rank {lora.rank} is larger than the smallest adapted layer: {name} ({n_in} -> "
+                                  f"{n_out}) allows a rank of at most {most}")

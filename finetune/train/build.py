@@ -64,12 +64,16 @@ def _place(tree, mesh, rules):
 
 
 def with_adapter_shape(config: TrainConfig) -> TrainConfig:
-    """`config` with an `--init-adapter`'s r, alpha, rsLoRA and targets in place of its own (what the run trains)."""
+    """`config` with an `--init-adapter`'s r, alpha, patterns, rsLoRA and targets in place of its own (what the run
+    trains)."""
     if not config.init_adapter:
         return config
-    adapter = read_adapter(config.init_adapter)[0]
+    base = Path(config.model or "", "config.json")  # a per-expert adapter reads by the model's experts
+    adapter = read_adapter(config.init_adapter, ModelConfig.from_hf(base.parent) if base.is_file() else None)[0]
     return dataclasses.replace(config, rank=adapter.rank, alpha=adapter.alpha, rslora=adapter.rslora,
-                               targets=",".join(sorted(adapter.targets)))
+                               targets=",".join(sorted(adapter.targets)),
+                               rank_pattern=",".join(f"{t}={r}" for t, r in adapter.rank_pattern) or None,
+                               alpha_pattern=",".join(f"{t}={a}" for t, a in adapter.alpha_pattern) or None)
 
 
 def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dict]], None] | None = None) -> Run:

@@ -12,11 +12,17 @@ of one module in nested wrappers, gate_up innermost: with both adapted, gate_up'
 `base_layer.lora_A/B` and down's its own `lora_A/B`; with one, that one's are the module's own. A sparse layer's
 router (target `gate`) is transformers 5's bare parameter `mlp.gate.weight`, adapted as a `target_parameters` too,
 its keys those of a linear layer's adapter.
+
+PEFT's `rank_pattern` and `alpha_pattern` map regexes to ranks and alphas, matched against each adapted module's
+name (a parameter's: `...mlp.experts.gate_up_proj`, `...mlp.gate.weight`) as PEFT matches them; each target must
+come out with one value in every layer (its layers are one stacked array), which this port keeps per target
+(`LoraConfig.rank_pattern`) and writes back as one escaped key a target (`pattern_key`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -41,6 +47,12 @@ EXPORT_DTYPES = {"float32": DTYPES["F32"], "bfloat16": DTYPES["BF16"], "float16"
 
 # PEFT's `target_parameters` entry of each target it adapts as a parameter
 TARGET_PARAMETERS = {**{t: f"mlp.{t}" for t in EXPERT_TARGETS}, ROUTER_TARGET: f"mlp.{ROUTER_TARGET}.weight"}
+
+
+def pattern_key(target: str) -> str:
+    """The `rank_pattern`/`alpha_pattern` key that matches `target` in every layer (PEFT matches a key at the end of
+    each adapted name: `q_proj` matches every `...self_attn.q_proj`, never `...k_proj`)."""
+    return re.escape(TARGET_PARAMETERS.get(target, target))
 
 
 def parameter_target(name: str) -> str | None:
@@ -124,14 +136,17 @@ def adapter_config(lora_config: LoraConfig, base_model: str, revision: str | Non
     and `revision` are what `AutoPeftModelForCausalLM` loads the base from; `exclude_modules` the regex of the
     base's modules outside the decoder (a multimodal family's `adapter_excludes`)."""
     return {
-        "alora_invocation_tokens": None, "alpha_pattern": {}, "arrow_config": None, "auto_mapping": None,
+        "alora_invocation_tokens": None,
+        "alpha_pattern": {pattern_key(t): alpha for t, alpha in lora_config.alpha_pattern}, "arrow_config": None,
+        "auto_mapping": None,
         "base_model_name_or_path": base_model, "bias": "none", "corda_config": None, "ensure_weight_tying": False,
         "eva_config": None, "exclude_modules": exclude_modules, "fan_in_fan_out": False, "inference_mode": True,
         "init_lora_weights": True, "kasa_config": None, "layer_replication": None, "layers_pattern": None,
         "layers_to_transform": None, "loftq_config": {}, "lora_alpha": lora_config.alpha, "lora_bias": False,
         "lora_dropout": lora_config.dropout, "lora_ga_config": None, "megatron_config": None,
         "megatron_core": "megatron.core", "modules_to_save": None, "monteclora_config": None, "peft_type": "LORA",
-        "peft_version": PEFT_VERSION, "qalora_group_size": 16, "r": lora_config.rank, "rank_pattern": {},
+        "peft_version": PEFT_VERSION, "qalora_group_size": 16, "r": lora_config.rank,
+        "rank_pattern": {pattern_key(t): rank for t, rank in lora_config.rank_pattern},
         "revision": revision, "target_modules": sorted(set(lora_config.targets) - set(PARAMETER_TARGETS)),
         "target_parameters": sorted(TARGET_PARAMETERS[t] for t in lora_config.targets if t in PARAMETER_TARGETS)
         or None,
@@ -182,14 +197,19 @@ def model_card(lora_config: LoraConfig, base_model: str, details: Mapping[str, A
         f"| rank r | {lora_config.rank} |", f"| alpha | {lora_config.alpha:g} |",
         f"| scaling | {'alpha / sqrt(r) (rsLoRA)' if lora_config.rslora else 'alpha / r'} = {lora_config.scale:g} |",
         f"| target modules | {', '.join(sorted(lora_config.targets))} |",
+        *([f"| rank of | {', '.join(f'{t}: {r}' for t, r in lora_config.rank_pattern)} |"]
+          if lora_config.rank_pattern else []),
+        *([f"| alpha of | {', '.join(f'{t}: {a:g}' for t, a in lora_config.alpha_pattern)} |"]
+          if lora_config.alpha_pattern else []),
         f"| dropout | {lora_config.dropout:g} |",
     ]
     lines += [f"| {key} | {value} |" for key, value in details.items()]
     return "\n".join(lines) + "\n"
 
 
-def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, np.ndarray]]:
-    """The LoraConfig and tensors of a PEFT LoRA adapter directory, refusing variants we cannot run."""
+def read_adapter(adapter_dir: str | Path, model_config=None) -> tuple[LoraConfig, dict[str, np.ndarray]]:
+    """The LoraConfig and tensors of a PEFT LoRA adapter directory, refusing variants we cannot run. Given the
+    model's config, a transformers-4 adapter of per-expert modules is read as PEFT reads it (`_from_per_expert`)."""
     from safetensors.numpy import load_file
 
     adapter_dir = Path(adapter_dir)
@@ -201,8 +221,7 @@ def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, np.ndar
     if raw.get("peft_type") != "LORA":
         raise AdapterError(f"{config_path}: field 'peft_type' is {raw.get('peft_type')!r}; only 'LORA' is supported")
     # PEFT variants this port does not run: each field must keep its plain-LoRA value.
-    plain = {"use_dora": (False,), "modules_to_save": (None, []), "rank_pattern": ({}, None),
-             "alpha_pattern": ({}, None), "layers_to_transform": (None,), "bias": ("none",),
+    plain = {"use_dora": (False,), "modules_to_save": (None, []), "layers_to_transform": (None,), "bias": ("none",),
              "fan_in_fan_out": (False,), "lora_bias": (False,), "use_qalora": (False,)}
     for field, allowed in plain.items():
         if raw.get(field, allowed[0]) not in allowed:
@@ -217,20 +236,151 @@ def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, np.ndar
             raise AdapterError(f"{config_path}: field 'target_parameters' names {name!r}; supported: "
                                f"{', '.join(TARGET_PARAMETERS.values())}")
     targets = [*targets, *(parameter_target(name) for name in parameters)]
-    try:
-        lora_config = LoraConfig(rank=int(raw["r"]), alpha=float(raw["lora_alpha"]), targets=tuple(targets),
-                                 rslora=bool(raw.get("use_rslora", False)), dropout=float(raw.get("lora_dropout", 0.0)))
-    except (KeyError, TypeError, ValueError) as e:
-        raise AdapterError(f"{config_path}: {e}") from None
     weights = adapter_dir / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise AdapterError(f"{weights}: not found")
-    return lora_config, load_file(str(weights))
+    tensors = load_file(str(weights))
+    try:
+        rank, alpha = int(raw["r"]), float(raw["lora_alpha"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise AdapterError(f"{config_path}: {e}") from None
+    if model_config is not None and model_config.num_experts and any(_PER_EXPERT.search(k) for k in tensors):
+        if raw.get("rank_pattern") or raw.get("alpha_pattern"):
+            raise AdapterError(f"{config_path}: a per-expert adapter with rank_pattern or alpha_pattern is not "
+                               "supported (PEFT's conversion of it to fused experts keeps neither)")
+        targets, tensors, patterns = _from_per_expert(targets, tensors, rank, alpha, model_config, weights)
+    else:
+        keys = _adapted_keys(tensors, targets)
+        patterns = {field: _per_target(raw.get(field), field, keys, default, config_path)
+                    for field, default in (("rank_pattern", rank), ("alpha_pattern", alpha))}
+    try:
+        lora_config = LoraConfig(rank=rank, alpha=alpha, targets=tuple(targets),
+                                 rslora=bool(raw.get("use_rslora", False)), dropout=float(raw.get("lora_dropout", 0.0)),
+                                 **patterns)
+    except (TypeError, ValueError) as e:
+        raise AdapterError(f"{config_path}: {e}") from None
+    return lora_config, tensors
+
+
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")  # a transformers-4 adapter's key of one expert's module
+
+
+def _from_per_expert(targets: list[str], tensors: Mapping[str, np.ndarray], rank: int, alpha: float, model_config,
+                     where: Path) -> tuple[list[str], dict[str, np.ndarray], dict[str, dict[str, float]]]:
+    """A transformers-4 adapter of each expert's modules (`experts.{e}.gate_proj/up_proj/down_proj`, Mixtral's
+    `experts.{e}.w1/w3/w2`, `[r, in]` and `[out, r]` each) as PEFT 0.21.2 converts it to transformers 5's fused
+    experts: gate and up become `experts.gate_up_proj` of rank 2r and alpha 2 alpha, A the two As stacked (the
+    gate's first) and B the two Bs block-diagonal, so that each expert's delta is the two it had; down becomes
+    `experts.down_proj`. Returns the targets, the tensors in the fused layout, and the ranks and alphas of the fused
+    targets (`LoraConfig`'s patterns)."""
+    names = names_of(model_config)
+    rows = {row.hf.split(".")[-2]: row for row in model_config.family.experts if "{e}" in row.hf}
+    fused = {short: "experts." + row.jax.split(".")[-2] for short, row in rows.items()}
+    for target in sorted(set(fused.values())):
+        shorts = sorted(short for short, t in fused.items() if t == target)
+        present = [short for short in shorts if short in targets]
+        if 0 < len(present) < len(shorts):
+            raise AdapterError(f"{where.parent / ADAPTER_CONFIG}: target_modules names {', '.join(present)} without "
+                               f"{', '.join(sorted(set(shorts) - set(present)))}: they are fused into {target}, so "
+                               "each needs the other (as PEFT requires)")
+    adapted = sorted({fused[t] for t in targets if t in fused})
+    pieces: dict[tuple[str, int], dict[tuple[int, int, str], np.ndarray]] = {}
+    converted = {}
+    for key, value in tensors.items():
+        if not _PER_EXPERT.search(key):
+            converted[key] = value
+            continue
+        module, _, kind = key.removeprefix(PREFIX).rpartition(".lora_")
+        found = names.locate(module + ".weight")
+        if found is None or found.expert is None or kind not in ("A.weight", "B.weight") or \
+                "experts." + found.path.split(".")[-2] not in adapted:
+            raise AdapterError(f"{where}: tensor '{key}' is not an adapter of this model's adapted experts")
+        pieces.setdefault((found.path, found.layer), {})[(found.expert, found.part, kind[0])] = value
+    ranks = {}
+    for (path, layer), parts in sorted(pieces.items()):
+        row = next(r for r in rows.values() if r.jax == path)
+        a_e, b_e = [], []
+        for expert in range(model_config.num_experts):
+            try:
+                a_parts = [parts[(expert, part, "A")] for part in range(row.parts)]
+                b_parts = [parts[(expert, part, "B")] for part in range(row.parts)]
+            except KeyError:
+                raise AdapterError(f"{where}: no adapter of expert {expert}'s parts of {path} in the sparse layer "
+                                   f"{layer}, which its other experts have") from None
+            a_e.append(np.concatenate(a_parts, axis=0))
+            b_e.append(_block_diagonal(b_parts))
+        a, b = np.stack(a_e), np.stack(b_e)  # [e, parts * r, in], [e, out, parts * r]
+        name = expert_adapter_key(names, path.rsplit(".", 1)[0], layer, len(adapted) == 2)
+        converted[name + ".lora_A.weight"], converted[name + ".lora_B.weight"] = expert_a(a), expert_b(b)
+        ranks["experts." + path.split(".")[-2]] = row.parts
+    targets = [t for t in targets if t not in fused] + adapted
+    grown = {t: parts for t, parts in ranks.items() if parts > 1}
+    patterns = {"rank_pattern": {t: parts * rank for t, parts in grown.items()},
+                "alpha_pattern": {t: parts * alpha for t, parts in grown.items()}}
+    return targets, converted, patterns
+
+
+def _block_diagonal(blocks: list[np.ndarray]) -> np.ndarray:
+    out = np.zeros((sum(b.shape[0] for b in blocks), sum(b.shape[1] for b in blocks)), blocks[0].dtype)
+    row = col = 0
+    for block in blocks:
+        out[row:row + block.shape[0], col:col + block.shape[1]] = block
+        row, col = row + block.shape[0], col + block.shape[1]
+    return out
+
+
+def _adapted_keys(tensors: Mapping[str, np.ndarray], targets) -> dict[str, list[str]]:
+    """Each target's adapted names as PEFT matches a pattern against them (a module's name; a parameter's, for
+    `target_parameters`), from the adapter's keys."""
+    both = set(EXPERT_TARGETS) <= set(targets)
+    keys: dict[str, list[str]] = {}
+    for name in tensors:
+        if not (name.startswith(PREFIX) and name.endswith(".lora_A.weight")):
+            continue
+        module = name[len(PREFIX):-len(".lora_A.weight")]
+        if module.endswith(".experts.base_layer"):  # gate_up, with down adapted too
+            target, key = EXPERT_TARGETS[0], module[:-len(".base_layer")] + ".gate_up_proj"
+        elif module.endswith(".experts"):
+            target = EXPERT_TARGETS[1] if both else next((t for t in EXPERT_TARGETS if t in targets), "")
+            key = module + "." + target.rsplit(".", 1)[-1]
+        elif module.endswith(f".{ROUTER_TARGET}") and ROUTER_TARGET in targets:
+            target, key = ROUTER_TARGET, module + ".weight"
+        else:
+            target, key = module.rsplit(".", 1)[-1], module
+        keys.setdefault(target, []).append(key)
+    return keys
+
+
+def _per_target(pattern, field: str, keys: Mapping[str, list[str]], default, config_path: Path) -> dict:
+    """A `rank_pattern`/`alpha_pattern` as one value a target where it is not `default`, matched as PEFT matches
+    it (`(.*[.])?(key)$` on each adapted name, the first key that matches); one line naming the target when its
+    layers would take different values."""
+    if not pattern:
+        return {}
+    if not isinstance(pattern, dict):
+        raise AdapterError(f"{config_path}: field '{field}' must map patterns to values, got {pattern!r}")
+    resolved = {}
+    for target, names in keys.items():
+        values = set()
+        for name in names:
+            try:
+                key = next((k for k in pattern if re.match(rf"(.*\.)?({k})$", name)), None)
+            except re.error as e:
+                raise AdapterError(f"{config_path}: field '{field}' holds a key that is not a regex ({e})") from None
+            values.add(pattern[key] if key is not None else default)
+        if len(values) > 1:
+            raise AdapterError(f"{config_path}: field '{field}' gives {target}'s layers different values "
+                               f"({', '.join(map(str, sorted(values)))}); supported: one value a target (its "
+                               "layers are one stacked array)")
+        value = values.pop()
+        if value != default:
+            resolved[target] = value
+    return resolved
 
 
 def load_peft_adapter(model, adapter_dir: str | Path):
     """Attach a PEFT LoRA adapter to `model` (in place): rank, alpha, rsLoRA and targets from its config."""
-    lora_config, tensors = read_adapter(adapter_dir)
+    lora_config, tensors = read_adapter(adapter_dir, model.config)
     apply_lora(model, lora_config, rngs=nnx.Rngs(0))
     where = Path(adapter_dir) / ADAPTER_WEIGHTS
     used = set()
