@@ -11,6 +11,12 @@ Mistral's, Qwen2's and both Gemma 3 classes declare no embedding modules, so an 
 refused at load (a multimodal Gemma 3 has no merged form either: `export.merge` refuses it); Qwen2's
 takes head_dim as hidden_size / heads whatever config.json says; Qwen3's has no bias on `o_proj`, so a base with
 `attention_bias` does not load; Qwen2 and Qwen3 with sliding windows on some layers only are refused at start.
+
+The mixtures of experts (Qwen3-MoE, Mixtral), served in tests/test_serving.py: with LoRA on, the CPU build runs
+every layer of experts through its Triton MoE LoRA backend, and Triton has no CPU backend there, so the engine stops
+at the first request, the base model's requests too, whatever the adapter's targets (a Qwen3-MoE adapter in
+transformers 5's fused layout also needs `--enable-mixed-moe-lora-format` and `is_3d_lora_weight` to load). Its
+`rank_pattern`/`alpha_pattern` are matched as PEFT matches them (`vllm/lora/peft_helper.py`).
 """
 
 from __future__ import annotations
@@ -56,4 +62,9 @@ def serving_warnings(lora: LoraConfig, model: ModelConfig) -> list[str]:
         warnings.append(f"the base has attention biases, and {family} none on o_proj: it does not load this base")
     if model.model_type in ("qwen2", "qwen3") and model.sliding_layers and not all(model.sliding_layers):
         warnings.append(f"the base has sliding windows on some layers only, which {family} refuses at start")
+    if model.num_experts:
+        warnings.append(f"vLLM {VLLM_VERSION}'s CPU build serves no LoRA adapter on {model.family.architecture}: "
+                        "with LoRA on it runs the experts through its Triton MoE LoRA kernel, which has no CPU "
+                        "backend, and its engine stops at the first request; serve the merged model (export-peft "
+                        "--merge) there")
     return warnings

@@ -280,3 +280,37 @@ def test_an_lm_head_adapter_on_a_family_without_embedding_modules_is_refused_as_
     with vllm_server(hf, log=tmp_path / "vllm.log", runtime_lora=True) as url:
         status, body = request(f"{url}/v1/load_lora_adapter", {"lora_name": "head", "lora_path": str(adapter)})
         assert status != 200 and "lm_head" in body, body
+
+
+# ---- the mixtures of experts -------------------------------------------------------------------------------------
+
+# Small random Qwen3-MoE and Mixtral models (head_dim 64), 4 experts, 2 a token
+MOE_MODELS = {
+    "qwen3_moe": {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                  "norm_topk_prob": True, "use_sliding_window": False, "attention_bias": False},
+    "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(MOE_MODELS))
+def test_vllms_cpu_build_refuses_lora_on_a_mixture_of_experts_as_export_peft_warns(tmp_path, model_type):
+    """vLLM 0.32's CPU build, LoRA on, runs a mixture of experts' layers through its Triton MoE LoRA kernel, which
+    has no CPU backend: the engine stops at the first request (the adapter here has the default targets, attention
+    and the experts, in transformers 5's fused layout, which vLLM loads only when told it is one)."""
+    from converter import convert
+    from demo.tiny import build_tiny_model
+
+    hf = build_tiny_model(tmp_path / "hf", config={
+        "hidden_size": 256, "head_dim": 64, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        **MOE_MODELS[model_type]})
+    convert(hf, tmp_path / "jax", progress=False)
+    adapter, warnings = export_with_warnings(tmp_path / "jax", tmp_path)
+    (warning,) = warnings
+    assert "CPU build" in warning and "--merge" in warning
+    # transformers 5's fused experts, which vLLM takes as such (3D) only when told
+    module = json.dumps({"name": "tuned", "path": str(adapter), "is_3d_lora_weight": True})
+    with vllm_server(hf, "--enable-mixed-moe-lora-format", "--lora-modules", module, log=tmp_path / "vllm.log") as url:
+        status, body = request(f"{url}/v1/completions", {"model": "tuned", "prompt": PROMPT, "max_tokens": 1,
+                                                         "temperature": 0})
+    assert status == 500, body
+    assert "module 'triton.language' has no attribute" in (tmp_path / "vllm.log").read_text()

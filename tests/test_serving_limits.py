@@ -72,6 +72,15 @@ def test_bases_vllm_cannot_serve_are_named(raw, needle):
                                 ModelConfig.from_hf(qwen3_windows_everywhere)) == []
 
 
+@pytest.mark.parametrize("raw", [{"model_type": "qwen3_moe", **SHAPE, "num_experts": 4, "num_experts_per_tok": 2,
+                                  "moe_intermediate_size": 8},
+                                 {"model_type": "mixtral", **SHAPE, "num_local_experts": 4}])
+def test_an_adapter_on_a_mixture_of_experts_points_to_the_merge_for_vllms_cpu_build(raw):
+    model = ModelConfig.from_hf(raw)
+    (warning,) = serving_warnings(LoraConfig(rank=8, alpha=16, targets=("q_proj", "experts.down_proj")), model)
+    assert f"CPU build serves no LoRA adapter on {model.family.architecture}" in warning and "--merge" in warning
+
+
 @pytest.mark.slow
 def test_export_peft_prints_the_warnings_and_writes_the_adapter(tmp_path, tiny_converted, capsys):
     data = tmp_path / "train.jsonl"
