@@ -20,8 +20,9 @@ class Family:
     A multimodal class whose decoder this port runs (Gemma 3 from 4B up) also has `text_config`: the key of the
     part of its config.json that describes the decoder, read as the family's; `runtime_prefixes`: where the module
     names of transformers' class (which PEFT and vLLM adapters use) differ from its checkpoint's tensor names, as
-    (checkpoint prefix, module prefix) pairs, and `runtime_modules` where a single module's name differs, as
-    (checkpoint module, module) pairs of table names (Mixtral's router `block_sparse_moe.gate` runs as `mlp.gate`);
+    (checkpoint prefix, module prefix) pairs, and `runtime_modules` the rows of `modules`' kind naming a module as
+    the class runs it where the checkpoint names it otherwise (Mixtral's router, `block_sparse_moe.gate` in its
+    checkpoint, runs as `mlp.gate`), read in conversion too;
     and `other_tensors`: a regex of the checkpoint's tensors outside the
     decoder (the vision tower), which conversion leaves out; `adapter_excludes`: a regex of the class's modules
     an adapter leaves alone (PEFT's `exclude_modules`), so that its target names match in the decoder only.

@@ -11,9 +11,10 @@ from jaxmodel.families.llama import MODULES as LLAMA_MODULES
 ATTENTION = tuple(row for row in LLAMA_MODULES if ".mlp." not in row[0])
 MODULES = ATTENTION + (
     ("model.layers.{i}.block_sparse_moe.gate",  "moe_layers.mlp.gate"),
-    ("model.layers.{i}.mlp.gate",               "moe_layers.mlp.gate"),  # transformers 5's name at run time
     ("model.layers.{i}.mlp.experts",            "moe_layers.mlp.experts"),  # the fused experts (adapters' keys)
 )  # fmt: skip
+# transformers 5's names at run time where the checkpoint's differ (adapters' keys; a state dict saved as it runs)
+RUNTIME_MODULES = (("model.layers.{i}.mlp.gate", "moe_layers.mlp.gate"),)
 _HUB = "model.layers.{i}.block_sparse_moe.experts.{e}"
 EXPERTS = (
     ExpertTensor(_HUB + ".w1.weight",                        "moe_layers.mlp.experts.gate_up_proj.weight", 0, 2),
@@ -49,5 +50,4 @@ def _write(config) -> dict:
 
 
 FAMILY = Family("mixtral", "MixtralForCausalLM", MODULES, _read, _write, defaults=(("num_experts_per_tok", 2),),
-                experts=EXPERTS, runtime_modules=(("model.layers.{i}.block_sparse_moe.gate",
-                                                   "model.layers.{i}.mlp.gate"),))
+                experts=EXPERTS, runtime_modules=RUNTIME_MODULES)

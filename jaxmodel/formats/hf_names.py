@@ -53,7 +53,7 @@ class NameTable:
             STACKS[kind]: layers for kind in (False, True)
             if (layers := tuple(i for i, s in enumerate(sparse_layers) if s == kind))}
         rows = []
-        for hf, jax in modules:
+        for hf, jax in modules + runtime_modules:
             if jax.startswith(STACKS[False] + ".") and not jax.startswith(STACKS[False] + ".mlp."):
                 rows.append((hf, jax))
                 rows.append((hf, STACKS[True] + jax[len(STACKS[False]):]))  # in a sparse layer too
@@ -65,12 +65,13 @@ class NameTable:
                         if t.jax.split(".", 1)[0] in self._stacks]
         self._by_jax: dict[str, str] = {}
         for hf, jax in rows:
-            self._by_jax.setdefault(jax, hf)  # the first row naming a module is its name
+            if (hf, jax) not in runtime_modules:
+                self._by_jax.setdefault(jax, hf)  # the first row naming a module is its name
         self._experts: dict[str, list[ExpertTensor]] = {}
         for t in experts:
             self._experts.setdefault(t.jax, []).append(t)
         self._runtime_prefixes = runtime_prefixes
-        self._runtime_modules = dict(runtime_modules)
+        self._runtime_by_jax = {jax: hf for hf, jax in runtime_modules}
         self._other = re.compile(other_tensors) if other_tensors else None
 
     def is_other(self, name: str) -> bool:
@@ -80,10 +81,8 @@ class NameTable:
     def runtime_module(self, jax_module: str, layer: int | None = None) -> str:
         """The module's name in transformers' class as it runs (PEFT's and vLLM's adapter keys): the checkpoint's
         module name, unless the family renames the module or its prefix (a multimodal class)."""
-        name = self.hf_module(jax_module, layer)
-        runtime = self._runtime_modules.get(self._by_jax[jax_module])
-        if runtime is not None:
-            name = runtime.format(i=self._hf_layer(jax_module, layer)) if "{i}" in runtime else runtime
+        runtime = self._runtime_by_jax.get(jax_module)
+        name = self.hf_module(jax_module, layer) if runtime is None else self._named(runtime, jax_module, layer)
         for checkpoint, runtime in self._runtime_prefixes:
             if name.startswith(checkpoint):
                 return runtime + name[len(checkpoint):]
@@ -133,6 +132,10 @@ class NameTable:
             hf = self._by_jax[jax_module]
         except KeyError:
             raise KeyError(f"no HF name for JAX module '{jax_module}'") from None
+        return self._named(hf, jax_module, layer)
+
+    def _named(self, hf: str, jax_module: str, layer: int | None) -> str:
+        """A table row's HF name `hf` for `jax_module`, with the model's layer of slice `layer` for `{i}`."""
         if "{i}" in hf:
             if layer is None:
                 raise ValueError(f"'{jax_module}' is per-layer: a layer index is needed")

@@ -28,13 +28,14 @@ from typing import Any, Mapping
 
 import numpy as np
 from flax import nnx
+from scipy.linalg import block_diag
 
 from jaxmodel.errors import UserError
 from jaxmodel.formats.atomic import atomic_directory
 from jaxmodel.formats.hf_names import names_of
 from jaxmodel.formats.io import read_json
 from jaxmodel.lora import (EXPERT_TARGETS, PARAMETER_TARGETS, ROUTER_TARGET, LoraConfig, apply_lora,
-                           is_expert_projection, target_linears)
+                           is_expert_projection, target_linears, target_name)
 from jaxmodel.formats.safetensors_file import DTYPES
 
 PREFIX = "base_model.model."
@@ -275,7 +276,7 @@ def _from_per_expert(targets: list[str], tensors: Mapping[str, np.ndarray], rank
     targets (`LoraConfig`'s patterns)."""
     names = names_of(model_config)
     rows = {row.hf.split(".")[-2]: row for row in model_config.family.experts if "{e}" in row.hf}
-    fused = {short: "experts." + row.jax.split(".")[-2] for short, row in rows.items()}
+    fused = {short: target_name(row.jax.rsplit(".", 1)[0]) for short, row in rows.items()}
     for target in sorted(set(fused.values())):
         shorts = sorted(short for short, t in fused.items() if t == target)
         present = [short for short in shorts if short in targets]
@@ -293,7 +294,7 @@ def _from_per_expert(targets: list[str], tensors: Mapping[str, np.ndarray], rank
         module, _, kind = key.removeprefix(PREFIX).rpartition(".lora_")
         found = names.locate(module + ".weight")
         if found is None or found.expert is None or kind not in ("A.weight", "B.weight") or \
-                "experts." + found.path.split(".")[-2] not in adapted:
+                target_name(found.path.rsplit(".", 1)[0]) not in adapted:
             raise AdapterError(f"{where}: tensor '{key}' is not an adapter of this model's adapted experts")
         pieces.setdefault((found.path, found.layer), {})[(found.expert, found.part, kind[0])] = value
     ranks = {}
@@ -308,25 +309,16 @@ def _from_per_expert(targets: list[str], tensors: Mapping[str, np.ndarray], rank
                 raise AdapterError(f"{where}: no adapter of expert {expert}'s parts of {path} in the sparse layer "
                                    f"{layer}, which its other experts have") from None
             a_e.append(np.concatenate(a_parts, axis=0))
-            b_e.append(_block_diagonal(b_parts))
+            b_e.append(block_diag(*b_parts))
         a, b = np.stack(a_e), np.stack(b_e)  # [e, parts * r, in], [e, out, parts * r]
         name = expert_adapter_key(names, path.rsplit(".", 1)[0], layer, len(adapted) == 2)
         converted[name + ".lora_A.weight"], converted[name + ".lora_B.weight"] = expert_a(a), expert_b(b)
-        ranks["experts." + path.split(".")[-2]] = row.parts
+        ranks[target_name(path.rsplit(".", 1)[0])] = row.parts
     targets = [t for t in targets if t not in fused] + adapted
     grown = {t: parts for t, parts in ranks.items() if parts > 1}
     patterns = {"rank_pattern": {t: parts * rank for t, parts in grown.items()},
                 "alpha_pattern": {t: parts * alpha for t, parts in grown.items()}}
     return targets, converted, patterns
-
-
-def _block_diagonal(blocks: list[np.ndarray]) -> np.ndarray:
-    out = np.zeros((sum(b.shape[0] for b in blocks), sum(b.shape[1] for b in blocks)), blocks[0].dtype)
-    row = col = 0
-    for block in blocks:
-        out[row:row + block.shape[0], col:col + block.shape[1]] = block
-        row, col = row + block.shape[0], col + block.shape[1]
-    return out
 
 
 def _adapted_keys(tensors: Mapping[str, np.ndarray], targets) -> dict[str, list[str]]:
