@@ -59,19 +59,23 @@ def _note(message: str) -> None:
 
 def export_adapter(run_dir: str | Path, out: str | Path, *, step: int | None = None, dtype: str = "float32",
                    base_model: str | None = None, overwrite: bool = False,
-                   note: Callable[[str], None] | None = None) -> tuple[Path, int, LoraConfig]:
-    """Write the LoRA adapters of `step` (default: newest) of a run as a PEFT adapter; returns (out, the step,
-    the adapters' LoraConfig). An existing adapter at `out` is replaced only with `overwrite`. The adapter is
-    the same whether the run's base was quantized or not; its model card records which. Its base is named as
-    `base_reference` finds it."""
+                   note: Callable[[str], None] | None = None,
+                   expert_layout: str = "fused") -> tuple[Path, int, LoraConfig]:
+    """Write the LoRA adapters of `step` (default: newest) of a run as a PEFT adapter, the routed experts' in
+    `expert_layout` (`jaxmodel.formats.peft_adapter.EXPERT_LAYOUTS`); returns (out, the step, the adapters'
+    LoraConfig). An existing adapter at `out` is replaced only with `overwrite`. The adapter is the same whether
+    the run's base was quantized or not; its model card records which. Its base is named as `base_reference` finds
+    it."""
     target, _ = check_export_targets(run_dir, out, overwrite=overwrite)
     lora, config, step = load_run(run_dir, step)
     name, revision = base_reference(run_dir, base_model, note)
     card = {"training steps": step, "learning rate": config.lr, "sequence length": config.seq_len,
             "base quantization in training": base_weights(config.model)}
     model_config = run_model_config(run_dir)
+    if model_config.num_experts:
+        card["experts' layout"] = expert_layout
     save_peft_adapter(target, lora, config.lora_config(model_config), model_config=model_config,
-                      base_model=name, revision=revision, dtype=dtype, card=card)
+                      base_model=name, revision=revision, dtype=dtype, card=card, expert_layout=expert_layout)
     return Path(out), step, config.lora_config(model_config)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxmodel.formats.peft_adapter import EXPORT_DTYPES
+from jaxmodel.formats.peft_adapter import EXPERT_LAYOUTS, EXPORT_DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard of --merge")
     parser.add_argument("--dtype", default="float32", choices=list(EXPORT_DTYPES),
                         help="dtype of the adapter tensors (PEFT itself saves float32)")
+    parser.add_argument("--expert-layout", default="fused", choices=list(EXPERT_LAYOUTS),
+                        help="a mixture of experts' adapters: fused (PEFT's target_parameters on transformers 5's "
+                             "fused experts) or per-expert (each expert's modules under the hub's names, "
+                             "transformers 4's layout and vLLM's MoE LoRA format; PEFT reads it at rank 2r on "
+                             "gate and up)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a PEFT adapter at --out / an HF checkpoint at --merge (never anything else)")
     parser.add_argument("--base-model", default=None,
@@ -58,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                              merge_base=args.merge_base)
         if args.out:
             out, step, lora = export_adapter(args.run, args.out, step=args.step, dtype=args.dtype,
-                                             base_model=args.base_model, overwrite=args.overwrite, note=note)
+                                             base_model=args.base_model, overwrite=args.overwrite, note=note,
+                                             expert_layout=args.expert_layout)
             print(f"exported the LoRA adapters of step {step} (r={lora.rank}, alpha={lora.alpha:g}) -> {out}")
             for warning in serving_warnings(lora, run_model_config(args.run)):
                 print(f"export-peft: warning: {warning}", file=sys.stderr)

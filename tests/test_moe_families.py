@@ -515,6 +515,55 @@ def test_a_transformers4_per_expert_adapter_reads_as_peft_converts_it_and_export
     assert np.abs(again - theirs).max() <= f32_tolerance(theirs)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", MOE_TYPES)
+def test_the_per_expert_export_names_each_experts_modules_as_the_hub_does_and_serves_in_peft_alike(
+        family, tiny_qwen3_moe, tiny_mixtral, tmp_path):
+    """The per-expert layout (vLLM's MoE LoRA format on these classes): each expert's gate and up (Mixtral's w1, w3)
+    with the fused adapter's A as both As and B's rows of each, down (w2) its own, the router under the
+    checkpoint's name; PEFT loads it (gate and up at rank 2r) with the JAX model's logits, and so does this port."""
+    from flax import nnx
+    from safetensors.numpy import load_file
+
+    from jaxmodel.formats.peft_adapter import load_peft_adapter, save_peft_adapter
+    from jaxmodel.layers import LoRAParam
+    from jaxmodel.lora import LoraConfig, apply_lora
+
+    source = tiny_qwen3_moe if family == "qwen3_moe" else tiny_mixtral
+    gate, up, down = ("gate_proj", "up_proj", "down_proj") if family == "qwen3_moe" else ("w1", "w3", "w2")
+    moe = "mlp" if family == "qwen3_moe" else "block_sparse_moe"
+    convert(source, tmp_path / "jax", progress=False)
+    lora_config = LoraConfig(rank=2, alpha=6.0, targets=("q_proj", "experts.gate_up_proj", "experts.down_proj",
+                                                         *(("gate",) if family == "mixtral" else ())))
+    model = apply_lora(load_pretrained(tmp_path / "jax"), lora_config, rngs=nnx.Rngs(0))
+    _random_adapters(model, seed=5)
+    ids = np.random.default_rng(1).integers(0, 32, (2, 11))
+    expected = np.asarray(model(jnp.asarray(ids, jnp.int32)))
+    save_peft_adapter(tmp_path / "adapter", nnx.state(model, LoRAParam), lora_config, model_config=model.config,
+                      base_model=str(source), expert_layout="per-expert")
+
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["target_modules"], config["target_parameters"]) == (
+        sorted(["q_proj", gate, up, down, *(("gate",) if family == "mixtral" else ())]), None)
+    tensors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    experts = model.moe_layers.mlp.experts
+    a, b = (np.asarray(x[...]) for x in (experts.gate_up_proj.lora_a, experts.gate_up_proj.lora_b))
+    f = b.shape[-2] // 2
+    key = f"base_model.model.model.layers.0.{moe}.experts.3."
+    for part, rows in ((gate, b[0, 3, :f]), (up, b[0, 3, f:])):
+        np.testing.assert_array_equal(tensors[key + part + ".lora_A.weight"], a[0, 3])
+        np.testing.assert_array_equal(tensors[key + part + ".lora_B.weight"], rows)
+    assert not any(".experts.lora" in k or "base_layer" in k for k in tensors)
+    if family == "mixtral":
+        assert "base_model.model.model.layers.0.block_sparse_moe.gate.lora_A.weight" in tensors
+
+    with torch.no_grad():
+        theirs = _peft_model(source, tmp_path / "adapter")(torch.tensor(ids)).logits.numpy()
+    assert np.abs(theirs - expected).max() <= f32_tolerance(expected)
+    back = load_peft_adapter(load_pretrained(tmp_path / "jax"), tmp_path / "adapter")
+    assert np.abs(np.asarray(back(jnp.asarray(ids, jnp.int32))) - expected).max() <= f32_tolerance(expected)
+
+
 def test_flops_per_token_count_the_active_experts_and_the_dense_layers():
     from finetune.step.flops import flops_per_token
 
@@ -619,6 +668,21 @@ def test_a_dense_layers_mlp_adapter_peft_cannot_attach_is_refused_in_one_line(ti
     assert str(info.value) == ("LoRA targets down_proj: PEFT 0.21.2 attaches no adapter to them on Qwen3MoeForCausalLM "
                                "(it takes those names for the experts), so their adapters would be dropped when it "
                                "loads the adapter: export a merged checkpoint (--merge) instead, or train without them")
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_a_per_expert_export_of_an_adapter_with_ranks_of_its_own_is_refused_in_one_line(tmp_path):
+    from jaxmodel.formats.peft_adapter import AdapterError, save_peft_adapter
+    from jaxmodel.lora import LoraConfig
+
+    config = ModelConfig.from_hf({"model_type": "mixtral", **SHAPE, "num_local_experts": 4})
+    lora_config = LoraConfig(rank=2, targets=("q_proj", "experts.down_proj"), rank_pattern={"q_proj": 4})
+    with pytest.raises(AdapterError) as info:
+        save_peft_adapter(tmp_path / "adapter", None, lora_config, model_config=config, base_model="base",
+                          expert_layout="per-expert")
+    assert str(info.value) == ("--expert-layout per-expert: the adapter has ranks or alphas of its own on some "
+                               "targets (rank_pattern/alpha_pattern), which PEFT's reading of per-expert adapters "
+                               "replaces on the experts; export the fused layout")
     assert not (tmp_path / "adapter").exists()
 
 
@@ -759,7 +823,7 @@ def test_a_steps_collectives_do_not_grow_with_the_blocks_of_routed_rows(tmp_path
     for seq in (32, 128):
         report = plan(TrainConfig(plan=True, model_config=str(tmp_path / "config.json"), mesh="dp=2,fsdp=4,mp=1",
                                   batch_size=8, seq_len=seq, targets="q_proj,experts.gate_up_proj,experts.down_proj",
-                                  ).validate())
+                                  dtype="float32").validate())  # one compile a plan (a 16-bit one compiles twice)
         counts.append({kind: total["count"] for kind, total in report.cost.collective_totals().items()})
     assert counts[0] == counts[1] and counts[0]["all-gather"] > 0
 

@@ -78,10 +78,12 @@ class NameTable:
         """Whether checkpoint tensor `name` lies outside the decoder (a multimodal model's vision tower)."""
         return self._other is not None and self._other.fullmatch(name) is not None
 
-    def runtime_module(self, jax_module: str, layer: int | None = None) -> str:
+    def runtime_module(self, jax_module: str, layer: int | None = None, *, checkpoint_names: bool = False) -> str:
         """The module's name in transformers' class as it runs (PEFT's and vLLM's adapter keys): the checkpoint's
-        module name, unless the family renames the module or its prefix (a multimodal class)."""
-        runtime = self._runtime_by_jax.get(jax_module)
+        module name, unless the family renames the module or its prefix (a multimodal class). `checkpoint_names`
+        keeps the checkpoint's module names (transformers 4's, as the hub's per-expert layout has them: Mixtral's
+        `block_sparse_moe.gate`)."""
+        runtime = None if checkpoint_names else self._runtime_by_jax.get(jax_module)
         name = self.hf_module(jax_module, layer) if runtime is None else self._named(runtime, jax_module, layer)
         for checkpoint, runtime in self._runtime_prefixes:
             if name.startswith(checkpoint):

@@ -13,6 +13,12 @@ of one module in nested wrappers, gate_up innermost: with both adapted, gate_up'
 router (target `gate`) is transformers 5's bare parameter `mlp.gate.weight`, adapted as a `target_parameters` too,
 its keys those of a linear layer's adapter.
 
+The per-expert layout (`expert_layout="per-expert"`) holds the same adapters as transformers 4 modules under the
+hub's names, vLLM's MoE LoRA format on these classes: each expert's gate and up (`experts.{e}.gate_proj`/`up_proj`,
+Mixtral's `experts.{e}.w1`/`w3`) with the fused adapter's `[r, in]` A as both As and its B's rows of that part, down
+its own (`w2`); the router under the checkpoint's name (Mixtral's `block_sparse_moe.gate`). Exact: each expert's delta
+is the fused one's. PEFT reads it as it reads any transformers-4 adapter, gate and up at rank 2r.
+
 PEFT's `rank_pattern` and `alpha_pattern` map regexes to ranks and alphas, matched against each adapted module's
 name (a parameter's: `...mlp.experts.gate_up_proj`, `...mlp.gate.weight`) as PEFT matches them; each target must
 come out with one value in every layer (its layers are one stacked array), which this port keeps per target
@@ -44,6 +50,8 @@ ADAPTER_CONFIG = "adapter_config.json"
 # The PEFT release whose adapter_config.json field set adapter_config() writes (tests compare with its own).
 PEFT_VERSION = "0.21.2"
 EXPORT_DTYPES = {"float32": DTYPES["F32"], "bfloat16": DTYPES["BF16"], "float16": DTYPES["F16"]}
+# the routed experts' layouts an adapter is written in: transformers 5's fused parameters, or each expert's modules
+EXPERT_LAYOUTS = ("fused", "per-expert")
 
 
 # PEFT's `target_parameters` entry of each target it adapts as a parameter
@@ -70,10 +78,12 @@ class AdapterError(ValueError, UserError):
     """An adapter this toolkit cannot use; the message names the file/field and what was expected."""
 
 
-def peft_tensors(lora: nnx.State, model_config, dtype=np.float32) -> dict[str, np.ndarray]:
+def peft_tensors(lora: nnx.State, model_config, dtype=np.float32, *,
+                 per_expert: bool = False) -> dict[str, np.ndarray]:
     """PEFT's state dict for a LoRA state of a model of `model_config` (a `jaxmodel.config.ModelConfig`): one
     `[r, in]` A and `[out, r]` B per adapted module and layer; an experts' projection's `[e * r, in]` and
-    `[out, e * r]` per layer."""
+    `[out, e * r]` per layer, or with `per_expert` an `[r, in]` and `[out / parts, r]` per expert and part under the
+    hub's names (the router's under the checkpoint's name too)."""
     names = names_of(model_config)
     tensors: dict[str, np.ndarray] = {}
     flat = {".".join(map(str, path)): np.asarray(var[...]) for path, var in nnx.to_flat_state(lora)}
@@ -82,6 +92,9 @@ def peft_tensors(lora: nnx.State, model_config, dtype=np.float32) -> dict[str, n
             continue
         module = path[: -len(".lora_a")]
         b = flat[module + ".lora_b"]
+        if is_expert_projection(module) and per_expert:
+            tensors.update(_per_expert_tensors(names, module, a, b, dtype))
+            continue
         if is_expert_projection(module):  # [layers, e, r, in] and [layers, e, out, r]
             for layer in range(a.shape[0]):
                 name = expert_adapter_key(names, module, layer, _adapted_experts(flat, module))
@@ -90,10 +103,33 @@ def peft_tensors(lora: nnx.State, model_config, dtype=np.float32) -> dict[str, n
             continue
         layers = [(i, a[i], b[i]) for i in range(a.shape[0])] if a.ndim == 3 else [(None, a, b)]
         for layer, a_ir, b_ro in layers:
-            name = PREFIX + names.runtime_module(module, layer)
+            name = PREFIX + names.runtime_module(module, layer, checkpoint_names=per_expert)
             tensors[name + ".lora_A.weight"] = np.ascontiguousarray(a_ir.T).astype(dtype)
             tensors[name + ".lora_B.weight"] = np.ascontiguousarray(b_ro.T).astype(dtype)
     return tensors
+
+
+def _per_expert_tensors(names, module: str, a: np.ndarray, b: np.ndarray, dtype) -> dict[str, np.ndarray]:
+    """An experts' projection's adapters (`a` `[layers, e, r, in]`, `b` `[layers, e, out, r]`) as each expert's
+    modules under the hub's names: every part (gate, up) with the expert's A and its own rows of the expert's B."""
+    tensors = {}
+    for row in names.expert_tensors(module + ".weight"):
+        rows = b.shape[-2] // row.parts
+        for layer in range(a.shape[0]):
+            for expert in range(a.shape[1]):
+                name = PREFIX + names.expert_name(row, layer, expert).removesuffix(".weight")
+                tensors[name + ".lora_A.weight"] = a[layer, expert].astype(dtype)
+                tensors[name + ".lora_B.weight"] = b[layer, expert, row.part * rows:(row.part + 1) * rows].astype(dtype)
+    return tensors
+
+
+def per_expert_modules(lora_config: LoraConfig, model_config) -> list[str]:
+    """The `target_modules` of `lora_config`'s adapter in the per-expert layout: its modules, each adapted experts'
+    projection as the hub names its experts' modules (`gate_proj`, `up_proj`; Mixtral's `w1`, `w3`), the router as
+    `gate`."""
+    experts = {row.hf.split(".")[-2] for row in model_config.family.experts
+               if "{e}" in row.hf and target_name(row.jax.rsplit(".", 1)[0]) in lora_config.targets}
+    return sorted((set(lora_config.targets) - set(EXPERT_TARGETS)) | experts)
 
 
 def unservable_targets(lora_config: LoraConfig, model_config) -> list[str]:
@@ -132,10 +168,15 @@ def _adapted_experts(flat: Mapping[str, np.ndarray], module: str) -> bool:
 
 
 def adapter_config(lora_config: LoraConfig, base_model: str, revision: str | None = None,
-                   exclude_modules: str | None = None) -> dict[str, Any]:
+                   exclude_modules: str | None = None, modules: list[str] | None = None) -> dict[str, Any]:
     """adapter_config.json as PEFT writes it for a LoRA on a causal LM (sorted keys, every field). `base_model`
     and `revision` are what `AutoPeftModelForCausalLM` loads the base from; `exclude_modules` the regex of the
-    base's modules outside the decoder (a multimodal family's `adapter_excludes`)."""
+    base's modules outside the decoder (a multimodal family's `adapter_excludes`); `modules`, every target as a
+    module (the per-expert layout's `per_expert_modules`), else the experts and the router as parameters."""
+    parameters = [] if modules is not None else [TARGET_PARAMETERS[t] for t in lora_config.targets
+                                                 if t in PARAMETER_TARGETS]
+    if modules is None:
+        modules = sorted(set(lora_config.targets) - set(PARAMETER_TARGETS))
     return {
         "alora_invocation_tokens": None,
         "alpha_pattern": {pattern_key(t): alpha for t, alpha in lora_config.alpha_pattern}, "arrow_config": None,
@@ -148,9 +189,7 @@ def adapter_config(lora_config: LoraConfig, base_model: str, revision: str | Non
         "megatron_core": "megatron.core", "modules_to_save": None, "monteclora_config": None, "peft_type": "LORA",
         "peft_version": PEFT_VERSION, "qalora_group_size": 16, "r": lora_config.rank,
         "rank_pattern": {pattern_key(t): rank for t, rank in lora_config.rank_pattern},
-        "revision": revision, "target_modules": sorted(set(lora_config.targets) - set(PARAMETER_TARGETS)),
-        "target_parameters": sorted(TARGET_PARAMETERS[t] for t in lora_config.targets if t in PARAMETER_TARGETS)
-        or None,
+        "revision": revision, "target_modules": modules, "target_parameters": sorted(parameters) or None,
         "task_type": "CAUSAL_LM", "trainable_token_indices": None, "use_bdlora": None, "use_dora": False,
         "use_qalora": False, "use_rslora": lora_config.rslora, "velora_config": None,
     }
@@ -158,26 +197,34 @@ def adapter_config(lora_config: LoraConfig, base_model: str, revision: str | Non
 
 def save_peft_adapter(out: str | Path, lora: nnx.State, lora_config: LoraConfig, *, model_config, base_model: str,
                       dtype: str = "float32", card: Mapping[str, Any] | None = None,
-                      revision: str | None = None) -> Path:
+                      revision: str | None = None, expert_layout: str = "fused") -> Path:
     """Write `adapter_model.safetensors`, `adapter_config.json` and a README.md model card into `out`,
     atomically (a temporary directory renamed into place). `model_config` is the adapted model's `ModelConfig`;
-    `base_model` (a hub id or HF directory) and its
-    `revision` go into adapter_config.json and the card."""
+    `base_model` (a hub id or HF directory) and its `revision` go into adapter_config.json and the card;
+    `expert_layout` is one of `EXPERT_LAYOUTS`."""
     from safetensors.numpy import save_file
 
     if dtype not in EXPORT_DTYPES:
         raise AdapterError(f"--dtype {dtype!r}: expected one of {', '.join(EXPORT_DTYPES)}")
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise AdapterError(f"--expert-layout {expert_layout!r}: expected one of {', '.join(EXPERT_LAYOUTS)}")
+    per_expert = expert_layout == "per-expert"
+    if per_expert and model_config.num_experts and (lora_config.rank_pattern or lora_config.alpha_pattern):
+        raise AdapterError("--expert-layout per-expert: the adapter has ranks or alphas of its own on some targets "
+                           "(rank_pattern/alpha_pattern), which PEFT's reading of per-expert adapters replaces on "
+                           "the experts; export the fused layout")
     unservable = unservable_targets(lora_config, model_config)
     if unservable:
         raise AdapterError(unservable_message(unservable, model_config) + ": export a merged checkpoint (--merge) "
                            "instead, or train without them")
-    tensors = peft_tensors(lora, model_config, EXPORT_DTYPES[dtype])
+    tensors = peft_tensors(lora, model_config, EXPORT_DTYPES[dtype], per_expert=per_expert)
     if not tensors:
         raise AdapterError("no LoRA parameters to export")
     out = Path(out)
     with atomic_directory(out, "exporting") as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        config = adapter_config(lora_config, base_model, revision, model_config.family.adapter_excludes)
+        config = adapter_config(lora_config, base_model, revision, model_config.family.adapter_excludes,
+                                per_expert_modules(lora_config, model_config) if per_expert else None)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         details = {**({"base revision": revision} if revision else {}), **(card or {})}
         (tmp / "README.md").write_text(model_card(lora_config, base_model, details))
@@ -272,8 +319,9 @@ def _from_per_expert(targets: list[str], tensors: Mapping[str, np.ndarray], rank
     `experts.{e}.w1/w3/w2`, `[r, in]` and `[out, r]` each) as PEFT 0.21.2 converts it to transformers 5's fused
     experts: gate and up become `experts.gate_up_proj` of rank 2r and alpha 2 alpha, A the two As stacked (the
     gate's first) and B the two Bs block-diagonal, so that each expert's delta is the two it had; down becomes
-    `experts.down_proj`. Returns the targets, the tensors in the fused layout, and the ranks and alphas of the fused
-    targets (`LoraConfig`'s patterns)."""
+    `experts.down_proj`. The other modules' keys take their runtime names (the router's hub name, Mixtral's
+    `block_sparse_moe.gate`, is `mlp.gate`). Returns the targets, the tensors in the fused layout, and the ranks and
+    alphas of the fused targets (`LoraConfig`'s patterns)."""
     names = names_of(model_config)
     rows = {row.hf.split(".")[-2]: row for row in model_config.family.experts if "{e}" in row.hf}
     fused = {short: target_name(row.jax.rsplit(".", 1)[0]) for short, row in rows.items()}
@@ -289,7 +337,10 @@ def _from_per_expert(targets: list[str], tensors: Mapping[str, np.ndarray], rank
     converted = {}
     for key, value in tensors.items():
         if not _PER_EXPERT.search(key):
-            converted[key] = value
+            module, _, kind = key.removeprefix(PREFIX).rpartition(".lora_")
+            found = names.locate(module + ".weight") if key.startswith(PREFIX) else None
+            runtime = None if found is None else names.runtime_module(found.path.rsplit(".", 1)[0], found.layer)
+            converted[key if runtime is None else f"{PREFIX}{runtime}.lora_{kind}"] = value
             continue
         module, _, kind = key.removeprefix(PREFIX).rpartition(".lora_")
         found = names.locate(module + ".weight")
