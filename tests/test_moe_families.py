@@ -640,6 +640,64 @@ def test_same_loss_and_experts_lora_grads_on_a_mesh_as_one_plain_device(tmp_path
                 reference)
 
 
+@pytest.mark.slow
+def test_a_run_from_a_peft_made_adapter_equals_the_same_run_in_torch_and_peft(moe_run_checkpoint, tmp_path):
+    """finetune-lora --init-adapter of an adapter PEFT made on Qwen3MoeForCausalLM (attention and every expert's
+    gate_up and down, random A and B): three AdamW steps on the same rows give torch + PEFT + torch's AdamW's losses
+    and adapter, the objective in torch written out (the mean cross-entropy over the trained tokens)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel, get_peft_model, get_peft_model_state_dict
+    from safetensors.numpy import load_file
+
+    from export.cli import main as export_main
+    from finetune.config import TrainConfig
+    from finetune.train.build import setup
+    from finetune.train.loop import run_training
+
+    jax_dir, data, _ = moe_run_checkpoint
+    hf_dir = jax_dir.parent / "hf"
+    torch.manual_seed(0)
+    made = get_peft_model(AutoModelForCausalLM.from_pretrained(hf_dir, experts_implementation="eager"),
+                          PeftLoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                                         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                                         init_lora_weights=False, task_type="CAUSAL_LM"))
+    made.save_pretrained(tmp_path / "peft")
+    lr, steps = 1e-2, 3
+    config = TrainConfig(model=str(jax_dir), data=str(data), out=str(tmp_path / "run"), steps=steps, batch_size=48,
+                         mesh="dp=1,fsdp=1,mp=1",
+                         seq_len=32, pack=False, dtype="float32", lr=lr, schedule="constant", clip_norm=0.0,
+                         init_adapter=str(tmp_path / "peft"), progress=False).validate()
+    rows = setup(config).train_rows  # every row in every step: the data order leaves the loss as it is
+    assert len(rows) == 48
+    run_training(config)
+    assert export_main(["--run", str(tmp_path / "run"), "--out", str(tmp_path / "trained")]) == 0
+    ours = load_file(tmp_path / "trained" / "adapter_model.safetensors")
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir, experts_implementation="eager"),
+                                     tmp_path / "peft", is_trainable=True)
+    optimizer = torch.optim.AdamW([p for p in peft.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    batch = {k: torch.tensor(v) for k, v in rows.take(np.arange(len(rows))).items()}
+    theirs = []
+    for _ in range(steps):
+        logits = peft(input_ids=batch["input_ids"].long(), attention_mask=(batch["segment_ids"] > 0).long()).logits
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["targets"].long(), reduction="none")
+        loss = (nll * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        theirs.append(loss.item())
+    np.testing.assert_allclose(losses, theirs, rtol=1e-5)
+    assert theirs[-1] < theirs[0]
+    trained = {k: v.detach().numpy() for k, v in get_peft_model_state_dict(peft).items()}
+    assert sorted(ours) == sorted(trained) and any(".experts.base_layer." in k for k in ours)
+    start = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    for name, value in trained.items():
+        assert np.abs(value - start[name]).max() > 1e-3, name  # every tensor moved
+        np.testing.assert_allclose(ours[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def test_the_default_targets_on_a_model_with_experts_are_attention_and_the_experts():
     from finetune.config import MOE_DEFAULT_TARGETS, TrainConfig
 
