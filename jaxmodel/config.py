@@ -12,7 +12,7 @@ from jaxmodel.errors import UserError
 from jaxmodel.families import FAMILIES, Family
 from jaxmodel.families.family import SUPPORTED_ACTIVATIONS
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class ConfigError(ValueError, UserError):
@@ -21,8 +21,10 @@ class ConfigError(ValueError, UserError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding parameters: `factor` divides every frequency when `type == "linear"`; the other fields are
-    used only when `type == "llama3"`."""
+    """Rotary embedding parameters: `factor` divides every frequency when `type == "linear"`; `low_freq_factor` and
+    `high_freq_factor` are `llama3`'s, `beta_fast`, `beta_slow`, `mscale`, `mscale_all_dim`, `attention_factor`
+    (None: from `factor` and the mscales) and `truncate` YaRN's (`yarn`), which also scales cos and sin
+    (`attention_scaling`); `factor` and `original_max_position_embeddings` are both's."""
 
     type: str = "default"
     theta: float = 10000.0
@@ -30,6 +32,24 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0  # 0: absent
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @property
+    def attention_scaling(self) -> float:
+        """What cos and sin are multiplied by: YaRN's attention factor (transformers' `_compute_yarn_parameters`),
+        1 for the other types."""
+        if self.type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
 
     def to_hf(self) -> dict[str, Any]:
         """As transformers 5 spells one `rope_parameters`."""
@@ -40,7 +60,18 @@ class RopeConfig:
             params.update(factor=self.factor, low_freq_factor=self.low_freq_factor,
                           high_freq_factor=self.high_freq_factor,
                           original_max_position_embeddings=self.original_max_position_embeddings)
+        if self.type == "yarn":
+            params.update(factor=self.factor, original_max_position_embeddings=self.original_max_position_embeddings,
+                          beta_fast=self.beta_fast, beta_slow=self.beta_slow, truncate=self.truncate,
+                          **({"mscale": self.mscale} if self.mscale else {}),
+                          **({"mscale_all_dim": self.mscale_all_dim} if self.mscale_all_dim else {}),
+                          **({} if self.attention_factor is None else {"attention_factor": self.attention_factor}))
         return params
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `scale` times longer: `0.1 mscale ln(scale) + 1` (1 at most)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,10 +331,14 @@ def _parse_rope(raw: dict[str, Any], where: str) -> RopeConfig:
     if isinstance(raw.get("rope_parameters"), dict):
         params, field_name = dict(raw["rope_parameters"]), "rope_parameters"
         params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+        if "original_max_position_embeddings" in raw:  # transformers prefers the top-level field
+            params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
     else:
         field_name = "rope_scaling"
         params = dict(raw.get("rope_scaling") or {})
         params["rope_theta"] = raw.get("rope_theta", 10000.0)
+    if params.get("rope_type", params.get("type")) == "yarn":
+        params.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", 2048))
     return _rope(params, where, field_name)
 
 
@@ -323,6 +358,8 @@ def _rope(params: dict[str, Any], where: str, field_name: str) -> RopeConfig:
         if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
             raise ConfigError(f"{where}: field '{field_name}.factor' must be a positive number, got {factor!r}")
         return RopeConfig(type="linear", theta=theta, factor=float(factor))
+    if rope_type == "yarn":
+        return _yarn(params, theta, where, field_name)
     values = {}
     for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
         value = params.get(key)
@@ -339,6 +376,34 @@ def _rope(params: dict[str, Any], where: str, field_name: str) -> RopeConfig:
         high_freq_factor=float(values["high_freq_factor"]),
         original_max_position_embeddings=int(values["original_max_position_embeddings"]),
     )
+
+
+def _yarn(params: dict[str, Any], theta: float, where: str, field_name: str) -> RopeConfig:
+    """YaRN's fields as transformers reads them (`beta_fast`/`beta_slow` absent or 0: 32 and 1)."""
+    def number(key, default=None, positive=True):
+        value = params.get(key)
+        if value is None:
+            if default is None:
+                raise ConfigError(f"{where}: field '{field_name}.{key}' is missing")
+            return default
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or \
+                (value <= 0 if positive else value < 0):
+            kind = "positive" if positive else "non-negative"
+            raise ConfigError(f"{where}: field '{field_name}.{key}' must be a {kind} number, got {value!r}")
+        return float(value)
+
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ConfigError(f"{where}: field '{field_name}.truncate' must be true or false, got {truncate!r}")
+    attention_factor = params.get("attention_factor")
+    return RopeConfig(type="yarn", theta=theta, factor=number("factor"),
+                      original_max_position_embeddings=int(number("original_max_position_embeddings")),
+                      beta_fast=number("beta_fast", 0.0, positive=False) or 32.0,
+                      beta_slow=number("beta_slow", 0.0, positive=False) or 1.0,
+                      mscale=number("mscale", 0.0, positive=False),
+                      mscale_all_dim=number("mscale_all_dim", 0.0, positive=False),
+                      attention_factor=None if attention_factor is None else number("attention_factor"),
+                      truncate=truncate)
 
 
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:

@@ -354,10 +354,11 @@ class CausalLM(nnx.Module):
         c = self.config
         if c.query_pre_attn_scalar is not None:
             mask = {**mask, "scale": c.attention_scale}
-        cos_bth, sin_bth = cos_sin(positions, inv_freq(c.rope, c.head_dim), self.dtype)
+        cos_bth, sin_bth = cos_sin(positions, inv_freq(c.rope, c.head_dim), self.dtype, c.rope.attention_scaling)
         # The windowed layers take local_rope, where it differs, by a scanned flag.
         if c.local_rope not in (None, c.rope) and any(c.layer_windows()):
-            local_cos_sin = cos_sin(positions, inv_freq(c.local_rope, c.head_dim), self.dtype)
+            local_cos_sin = cos_sin(positions, inv_freq(c.local_rope, c.head_dim), self.dtype,
+                                    c.local_rope.attention_scaling)
             local_xs = np.asarray([w > 0 for w in c.layer_windows()])
         else:
             local_cos_sin, local_xs = None, None

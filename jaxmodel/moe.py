@@ -50,6 +50,28 @@ def route(logits_te: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array,
     return weights_tk, experts_tk.astype(jnp.int32)
 
 
+def grouped_sigmoid_route(logits_te: jax.Array, bias_e: jax.Array, top_k: int, groups: int, top_groups: int,
+                          normalize: bool, scale: float) -> tuple[jax.Array, jax.Array]:
+    """Each token's `top_k` experts and their weights as DeepSeek-V3 routes: sigmoid scores in float32; the
+    correction bias `bias_e` added for choosing only; the experts in `groups` equal groups, each group scored by the
+    sum of its two best biased scores and the best `top_groups` groups kept; the `top_k` best biased scores among
+    their experts; weights the unbiased scores of those, renormalised when `normalize` (`norm_topk_prob`) and
+    times `scale` (`routed_scaling_factor`). Returns float32 weights `[t, k]` and int32 experts `[t, k]`, largest
+    biased score first."""
+    scores_te = jax.nn.sigmoid(logits_te.astype(jnp.float32))
+    choice_te = scores_te + bias_e.astype(jnp.float32)
+    t, e = choice_te.shape
+    group_scores_tg = jnp.sum(jax.lax.top_k(choice_te.reshape(t, groups, e // groups), 2)[0], axis=-1)
+    kept_tg = jax.lax.top_k(group_scores_tg, top_groups)[1]
+    keep_tg = jnp.zeros((t, groups), bool).at[jnp.arange(t)[:, None], kept_tg].set(True)
+    choice_te = jnp.where(jnp.repeat(keep_tg, e // groups, axis=1), choice_te, -jnp.inf)
+    experts_tk = jax.lax.top_k(choice_te, top_k)[1]
+    weights_tk = jnp.take_along_axis(scores_te, experts_tk, axis=1)
+    if normalize:  # transformers' 1e-20 keeps a row of zero scores finite
+        weights_tk = weights_tk / (jnp.sum(weights_tk, axis=-1, keepdims=True) + 1e-20)
+    return weights_tk * scale, experts_tk.astype(jnp.int32)
+
+
 class RouterStats(NamedTuple):
     """What the load-balancing loss needs of a batch's routing, summed over its real tokens (and over layers):
     transformers' `load_balancing_loss_func` pools every sparse layer's tokens before it divides."""

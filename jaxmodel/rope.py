@@ -28,6 +28,8 @@ def inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
         return inv
     if rope.type == "linear":
         return inv / f32(rope.factor)
+    if rope.type == "yarn":
+        return _yarn_inv_freq(rope, head_dim, base_pow)
     # Python-number arithmetic happens in float64 as in transformers; `scalar / tensor` is torch's
     # `tensor.reciprocal() * scalar`.
     factor = f32(rope.factor)
@@ -43,11 +45,39 @@ def inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     return np.where(is_medium, smoothed, inv_llama).astype(f32)
 
 
-def cos_sin(positions_bt: jnp.ndarray, inv_freq_f: np.ndarray, dtype) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """cos/sin `[batch, seq, head_dim]` for integer positions, computed in float32, cast to `dtype`."""
+def _yarn_inv_freq(rope: RopeConfig, head_dim: int, base_pow: np.ndarray) -> np.ndarray:
+    """YaRN's frequencies as transformers' `_compute_yarn_parameters` computes them: each frequency between its
+    extrapolated value (`1 / theta^(2i/d)`) and its value interpolated `factor` times, by a linear ramp over the
+    dimensions whose wavelengths turn between `beta_fast` and `beta_slow` times in the original context."""
+    f32 = np.float32
+    old_len = rope.original_max_position_embeddings
+
+    def correction_dim(rotations):  # Python floats, as transformers' math
+        return (head_dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(head_dim // 2, dtype=f32) - f32(low)) / f32(high - low), f32(0), f32(1))
+    extrapolation = f32(1) - ramp
+    inv_extrapolated = f32(1.0) / base_pow
+    inv_interpolated = f32(1.0) / (f32(rope.factor) * base_pow)
+    return (inv_interpolated * (f32(1) - extrapolation) + inv_extrapolated * extrapolation).astype(f32)
+
+
+def cos_sin(positions_bt: jnp.ndarray, inv_freq_f: np.ndarray, dtype,
+            scale: float = 1.0) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """cos/sin `[batch, seq, head_dim]` for integer positions, computed in float32, times `scale` (YaRN's
+    `RopeConfig.attention_scaling`), cast to `dtype`."""
     freqs_btf = positions_bt.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_f)
     emb_btd = jnp.concatenate([freqs_btf, freqs_btf], axis=-1)
-    return jnp.cos(emb_btd).astype(dtype), jnp.sin(emb_btd).astype(dtype)
+    cos, sin = jnp.cos(emb_btd), jnp.sin(emb_btd)
+    if scale != 1.0:
+        cos, sin = cos * jnp.float32(scale), sin * jnp.float32(scale)
+    return cos.astype(dtype), sin.astype(dtype)
 
 
 def apply_rope(x_btnd: jnp.ndarray, cos_btd: jnp.ndarray, sin_btd: jnp.ndarray) -> jnp.ndarray:

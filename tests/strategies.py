@@ -75,7 +75,8 @@ def family_configs(draw, model_type: str, max_layers: int = 3) -> dict:
     config["model_type"] = model_type
     if model_type == "gemma3_text":
         return _gemma3(draw, config)
-    config["rope_parameters"] = {"rope_type": "default", "rope_theta": draw(st.sampled_from([10000.0, 1e6]))}
+    config["rope_parameters"] = {**draw(st.one_of(st.just({"rope_type": "default"}), yarn_ropes())),
+                                 "rope_theta": draw(st.sampled_from([10000.0, 1e6]))}
     window = draw(st.one_of(st.none(), st.integers(1, 40)))
     if model_type == "mistral":
         config["sliding_window"] = window
@@ -88,6 +89,20 @@ def family_configs(draw, model_type: str, max_layers: int = 3) -> dict:
     if model_type == "qwen3":
         config["attention_bias"] = draw(st.booleans())
     return config
+
+
+@st.composite
+def yarn_ropes(draw) -> dict:
+    """YaRN's `rope_parameters` (without `rope_theta`): an original context short enough that the ramp bites, the
+    attention factor from the factor alone, from two mscales or given."""
+    rope = {"rope_type": "yarn", "factor": draw(st.floats(1.5, 40.0)),
+            "original_max_position_embeddings": draw(st.sampled_from([8, 32, 128]))}
+    scaling = draw(st.sampled_from(["factor", "mscales", "given"]))
+    if scaling == "mscales":
+        rope.update(mscale=draw(st.floats(0.5, 1.5)), mscale_all_dim=draw(st.floats(0.5, 1.5)))
+    if scaling == "given":
+        rope["attention_factor"] = draw(st.floats(0.8, 1.5))
+    return rope
 
 
 def _gemma3(draw, config: dict) -> dict:

@@ -63,8 +63,10 @@ def bump(key, by):
     (lambda c: {**c, "model_type": "qwen3"}, ("missing tensor 'model.layers.0.self_attn.k_norm.weight'",
                                               "config.json implies")),
     (lambda c: {**c, "num_attention_heads": "four"}, ("config.json", "'num_attention_heads'", "must be int")),
-    (lambda c: {**c, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
-     ("rope_parameters.rope_type", "'yarn'", "default, linear, llama3")),
+    (lambda c: {**c, "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}},
+     ("rope_parameters.rope_type", "'longrope'", "default, linear, llama3, yarn")),
+    (lambda c: {**c, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": -2}},
+     ("rope_parameters.beta_fast", "must be a non-negative number, got -2")),
 ])
 def test_config_json_that_does_not_fit_the_weights(capsys, tmp_path, src, edit, needles):
     config = json.loads((src / "config.json").read_text())

@@ -96,6 +96,7 @@ def test_configs_read_as_transformers_reads_them_and_write_back(model_type, data
         windows = [hf.sliding_window if t == "sliding_attention" and hf.sliding_window else 0 for t in hf.layer_types]
     assert list(config.layer_windows()) == windows
     assert ModelConfig.from_hf(hf.to_dict()).layer_windows() == config.layer_windows()
+    assert ModelConfig.from_hf(hf.to_dict()).rope == config.rope  # YaRN's fields as transformers keeps them
     if model_type == "gemma3_text":  # each kind of layer's RoPE, the scores' scale, the gate's activation
         assert hf.rope_parameters == {"full_attention": config.rope.to_hf(),
                                       "sliding_attention": config.local_rope.to_hf()}
@@ -147,8 +148,8 @@ def test_switches_of_each_family():
      "field 'hidden_activation' is 'relu'; supported: silu, gelu_pytorch_tanh"),
     ({"model_type": "gemma3_text", "rope_parameters": {"global": {"rope_theta": 1e6}}},
      "field 'rope_parameters' must map full_attention and sliding_attention to their RoPE"),
-    ({"model_type": "gemma3_text", "rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1.0}}},
-     "field 'rope_parameters.full_attention.rope_type' is 'yarn'; supported: default, linear, llama3"),
+    ({"model_type": "gemma3_text", "rope_parameters": {"full_attention": {"rope_type": "longrope", "rope_theta": 1.0}}},
+     "field 'rope_parameters.full_attention.rope_type' is 'longrope'; supported: default, linear, llama3, yarn"),
     ({"model_type": "mistral", "sliding_window": 0}, "field 'sliding_window' must be a positive integer or null"),
     ({"model_type": "qwen2", "use_sliding_window": True, "layer_types": ["full_attention"]},
      "field 'layer_types' must list 2 of full_attention, sliding_attention"),

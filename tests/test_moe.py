@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxmodel.moe import (GROUPED_MATMULS, combine, group_rows, grouped_matmul, padded_rows, reference_experts,
-                          route, routed_experts)
+from jaxmodel.moe import (GROUPED_MATMULS, combine, group_rows, grouped_matmul, grouped_sigmoid_route, padded_rows,
+                          reference_experts, route, routed_experts)
 
 
 def _routing(rng, t, e, k):
@@ -66,6 +66,37 @@ def test_route_is_transformers_router(normalize):
     np.testing.assert_array_equal(np.asarray(experts), expected_experts.numpy())
     np.testing.assert_allclose(np.asarray(weights), expected_weights.numpy(), rtol=1e-6)
     assert np.allclose(np.asarray(weights).sum(-1), 1.0) == normalize
+
+
+@settings(max_examples=20, deadline=None)
+@given(groups=st.sampled_from([1, 2, 4]), per_group=st.integers(2, 4), data=st.data(), normalize=st.booleans(),
+       scale=st.sampled_from([1.0, 2.5]), seed=st.integers(0, 2**16))
+def test_grouped_sigmoid_route_is_deepseek_v3s_router(groups, per_group, data, normalize, scale, seed):
+    """Sigmoid scores, a selection bias that moves which experts are chosen (not their weights), the best
+    `top_groups` groups by the sum of their two best biased scores, the top-k within them, renormalised and scaled:
+    transformers' `DeepseekV3TopkRouter` (the experts as sets: it does not sort them)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    top_groups = data.draw(st.integers(1, groups))
+    k = data.draw(st.integers(1, top_groups * per_group))
+    e = groups * per_group
+    config = DeepseekV3Config(hidden_size=16, n_routed_experts=e, num_experts_per_tok=k, n_group=groups,
+                              topk_group=top_groups, norm_topk_prob=normalize, routed_scaling_factor=scale)
+    router = DeepseekV3TopkRouter(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(e, 16, generator=generator))
+        router.e_score_correction_bias.copy_(torch.randn(e, generator=generator))
+        logits, expected_weights, expected_experts = router(torch.randn(20, 16, generator=generator))
+    weights, experts = grouped_sigmoid_route(jnp.asarray(logits.numpy()), jnp.asarray(
+        router.e_score_correction_bias.numpy()), k, groups, top_groups, normalize, scale)
+    weights, experts = np.asarray(weights), np.asarray(experts)
+    order, expected_order = np.argsort(experts, axis=1), np.argsort(expected_experts.numpy(), axis=1)
+    np.testing.assert_array_equal(np.take_along_axis(experts, order, 1),
+                                  np.take_along_axis(expected_experts.numpy(), expected_order, 1))
+    np.testing.assert_allclose(np.take_along_axis(weights, order, 1),
+                               np.take_along_axis(expected_weights.numpy(), expected_order, 1), rtol=1e-6)
 
 
 @settings(max_examples=12, deadline=None)

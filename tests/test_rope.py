@@ -19,14 +19,39 @@ REAL = {  # (head_dim, rope) of the Llama 3.x family, from their published confi
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     "3-8B": (128, {"rope_type": "default", "rope_theta": 500000.0}),
 }
+YARN = {  # (head_dim, rope): DeepSeek-V3's (its rotary part of 64), and Qwen2.5's long-context setting
+    "DeepSeek-V3": (64, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}),
+    "Qwen2.5 at 128k": (128, {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 32768}),
+    "mscales apart": (32, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "mscale": 0.707,
+                           "mscale_all_dim": 1.0, "original_max_position_embeddings": 64, "beta_fast": 8}),
+    "untruncated": (16, {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 2.5, "truncate": False,
+                         "original_max_position_embeddings": 128, "attention_factor": 1.25}),
+}
 
 
-def both(head_dim: int, rope: dict):
+def both(head_dim: int, rope: dict, scaling: bool = False):
     raw = {"model_type": "llama", "vocab_size": 8, "hidden_size": head_dim * 2, "intermediate_size": 8,
            "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": head_dim, "rope_parameters": rope,
            "max_position_embeddings": 131072}
-    theirs = LlamaRotaryEmbedding(HFLlamaConfig(**raw)).inv_freq.numpy()
-    return inv_freq(ModelConfig.from_hf(raw).rope, head_dim), theirs
+    rotary = LlamaRotaryEmbedding(HFLlamaConfig(**raw))
+    ours = ModelConfig.from_hf(raw).rope
+    if scaling:
+        return (inv_freq(ours, head_dim), ours.attention_scaling), (rotary.inv_freq.numpy(), rotary.attention_scaling)
+    return inv_freq(ours, head_dim), rotary.inv_freq.numpy()
+
+
+@pytest.mark.parametrize("name", YARN)
+def test_yarn_frequencies_and_attention_factor_are_transformers(name):
+    """YaRN's frequencies within torch's float32 pow (bit for bit on DeepSeek-V3's; one ulp where torch's pow is
+    not correctly rounded, as at theta 1e6) and its cos/sin scaling (from the factor and mscales, or given)."""
+    (ours, our_scaling), (theirs, their_scaling) = both(*YARN[name], scaling=True)
+    ulps = np.abs(ours.view(np.int32).astype(np.int64) - theirs.view(np.int32).astype(np.int64))
+    assert ulps.max() <= (0 if name == "DeepSeek-V3" else 1)
+    plain, _ = both(YARN[name][0], {"rope_type": "default", "rope_theta": YARN[name][1]["rope_theta"]})
+    assert not np.array_equal(ours, plain) and our_scaling == pytest.approx(their_scaling, rel=1e-12)
+    assert (our_scaling == 1.0) == (name == "DeepSeek-V3")  # equal mscales: 1 (its softmax scale takes mscale^2)
 
 
 @pytest.mark.parametrize("name", REAL)
