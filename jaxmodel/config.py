@@ -125,6 +125,16 @@ class ModelConfig:
     round_router_weights: bool = False
     sparse_layers: tuple[bool, ...] = ()
     router_aux_loss_coef: float = 0.0
+    # Multi-head latent attention (jaxmodel.model.LatentAttention; DeepSeek-V3) when kv_lora_rank > 0: queries
+    # through a q_lora_rank-wide bottleneck (0: one q_proj), each head's keys and values from one kv_lora_rank-wide
+    # latent, plus a rotary key part shared by the heads; queries and keys qk_nope_head_dim + head_dim wide (head_dim
+    # is the rotary part's width, as transformers' config says), values v_head_dim; rope_interleave: the rotary
+    # dimensions in interleaved pairs (x0, x1), (x2, x3), ...
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -149,11 +159,30 @@ class ModelConfig:
                               f"{len(self.sparse_layers)} flags and num_experts={self.num_experts}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ConfigError(f"hidden_act={self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
+        if self.kv_lora_rank and self.num_key_value_heads != self.num_attention_heads:
+            raise ConfigError(f"num_key_value_heads={self.num_key_value_heads}: latent attention gives every one of "
+                              f"the {self.num_attention_heads} heads its own keys and values")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """The width of a query's and a key's head: the rotary part and, with latent attention, the rest."""
+        return self.head_dim + self.qk_nope_head_dim if self.kv_lora_rank else self.head_dim
+
+    @property
+    def attention_width(self) -> int:
+        """The one head width attention and the KV cache take: with latent attention the wider of the queries' and
+        the values' (the other zero-padded), else head_dim."""
+        return max(self.qk_head_dim, self.v_head_dim) if self.kv_lora_rank else self.head_dim
 
     @property
     def attention_scale(self) -> float:
-        """The factor of every attention score `q . k`."""
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        """The factor of every attention score `q . k`: the query width's inverse square root (or
+        `query_pre_attn_scalar`'s), with latent attention and YaRN times `yarn_mscale(factor, mscale_all_dim)`
+        squared (transformers' DeepSeek-V3 attention)."""
+        scale = (self.query_pre_attn_scalar or self.qk_head_dim) ** -0.5
+        if self.kv_lora_rank and self.rope.type == "yarn" and self.rope.mscale_all_dim:
+            scale *= yarn_mscale(self.rope.factor, self.rope.mscale_all_dim) ** 2
+        return scale
 
     @property
     def family(self) -> Family:

@@ -92,20 +92,93 @@ class Attention(nnx.Module):
         q_btnh = apply_rope(q_btnh, cos_bth, sin_bth)
         k_btkh = apply_rope(k_btkh, cos_bth, sin_bth)
         v_btkh = self.v_proj(x_btd, keys[2]).reshape(b, t, k, h)
-        if kv is not None:  # write this step's keys/values into the cache and attend over all of it
-            k_btkh = jax.lax.dynamic_update_slice(kv[0], k_btkh.astype(kv[0].dtype), (0, cache_index, 0, 0))
-            v_btkh = jax.lax.dynamic_update_slice(kv[1], v_btkh.astype(kv[1].dtype), (0, cache_index, 0, 0))
-            kv = (k_btkh, v_btkh)
-        q_btnh, k_btkh, v_btkh = (remat_name(x, "projection") for x in (q_btnh, k_btkh, v_btkh))
-        attend = context_parallel_attention if "segment_ids_bt" in mask else attention
-        with jax.named_scope(scopes.ATTENTION):
-            out_btnh = attend(q_btnh, k_btkh, v_btkh, dtype=self.dtype, **mask)
-        # The output (and so its gradient) pinned where its tokens are, heads over mp: left to XLA, a step with few
-        # tokens a device split the attention's backward over heads (all-to-alls) and reduced partial input
-        # gradients of the whole batch in the projections around it.
-        out_btnh = constrain(out_btnh, ("act_batch", "act_seq", "heads", None), rules)
-        out_btnh = remat_name(out_btnh, "projection")
+        out_btnh, kv = _attend(q_btnh, k_btkh, v_btkh, mask, kv, cache_index, self.dtype, rules)
         return remat_name(self.o_proj(out_btnh.reshape(b, t, n * h), keys[3]), "projection"), kv
+
+
+def _attend(q_btnh, k_btkh, v_btkh, mask: dict, kv: tuple | None, cache_index, dtype, rules: Rules):
+    """Attention over this step's keys and values, or (`kv`: the layer's cache) over the cache with them written
+    at `cache_index`; returns the output `[b, t, n, h]` and the updated cache."""
+    if kv is not None:  # write this step's keys/values into the cache and attend over all of it
+        k_btkh = jax.lax.dynamic_update_slice(kv[0], k_btkh.astype(kv[0].dtype), (0, cache_index, 0, 0))
+        v_btkh = jax.lax.dynamic_update_slice(kv[1], v_btkh.astype(kv[1].dtype), (0, cache_index, 0, 0))
+        kv = (k_btkh, v_btkh)
+    q_btnh, k_btkh, v_btkh = (remat_name(x, "projection") for x in (q_btnh, k_btkh, v_btkh))
+    attend = context_parallel_attention if "segment_ids_bt" in mask else attention
+    with jax.named_scope(scopes.ATTENTION):
+        out_btnh = attend(q_btnh, k_btkh, v_btkh, dtype=dtype, **mask)
+    # The output (and so its gradient) pinned where its tokens are, heads over mp: left to XLA, a step with few
+    # tokens a device split the attention's backward over heads (all-to-alls) and reduced partial input
+    # gradients of the whole batch in the projections around it.
+    out_btnh = constrain(out_btnh, ("act_batch", "act_seq", "heads", None), rules)
+    return remat_name(out_btnh, "projection"), kv
+
+
+# transformers' DeepSeek-V3 norms its two latents with RMSNorm's default epsilon, not the config's rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
+class LatentAttention(nnx.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3, transformers' `DeepseekV3Attention`): queries through the
+    `q_a_proj` -> `q_a_layernorm` -> `q_b_proj` bottleneck (or one `q_proj`), and from `kv_a_proj_with_mqa` a
+    latent (normed by `kv_a_layernorm`, then `kv_b_proj` gives every head its key part and value) beside a rotary
+    key part shared by the heads. RoPE turns the queries' and keys' last `head_dim` dimensions only (interleaved
+    pairs with `rope_interleave`: taken evens then odds, the rotate-half layout, which changes no score). The
+    values (or, where they are wider, the queries and keys) are zero-padded to one head width
+    (`ModelConfig.attention_width`) so that every attention path and the cache take one, and the padding is sliced
+    off the output: exact, at the price of attention's value matmul on `qk_head_dim` columns instead of
+    `v_head_dim`."""
+
+    def __init__(self, config: ModelConfig, *, layers: int | None, dtype, param_dtype,
+                 quantization: Quantization | None = None, rngs: nnx.Rngs):
+        c = config
+        kw = dict(layers=layers, dtype=dtype, param_dtype=param_dtype, quantization=quantization, rngs=rngs)
+        n, qk, nope, v = c.num_attention_heads, c.qk_head_dim, c.qk_nope_head_dim, c.v_head_dim
+        norm = dict(eps=LATENT_NORM_EPS, layers=layers, param_dtype=param_dtype)
+        if c.q_lora_rank:
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, axes=("latent", "embed"), use_bias=c.qkv_bias, **kw)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, **norm)
+            self.q_b_proj = Linear(c.q_lora_rank, n * qk, axes=("heads", "latent"), **kw)
+            self.q_proj = None
+        else:
+            self.q_proj = Linear(c.hidden_size, n * qk, axes=("heads", "embed"), **kw)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.head_dim, axes=("latent", "embed"),
+                                         use_bias=c.qkv_bias, **kw)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, **norm)
+        self.kv_b_proj = Linear(c.kv_lora_rank, n * (nope + v), axes=("heads", "latent"), **kw)
+        self.o_proj = Linear(n * v, c.hidden_size, axes=("embed", "heads"), use_bias=c.o_bias, **kw)
+        self.num_heads, self.nope, self.rope_dim, self.v_dim = n, nope, c.head_dim, v
+        self.kv_lora_rank, self.interleave, self.width = c.kv_lora_rank, c.rope_interleave, c.attention_width
+        self.dtype = dtype
+
+    def __call__(self, x_btd, cos_bth, sin_bth, mask: dict, kv: tuple | None, cache_index, key=None,
+                 rules: Rules = DEFAULT_RULES):
+        b, t, _ = x_btd.shape
+        n, nope, rope, v = self.num_heads, self.nope, self.rope_dim, self.v_dim
+        keys = _split(key, 5)
+        if self.q_proj is None:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_btd, keys[0])), keys[1])
+        else:
+            q = self.q_proj(x_btd, keys[0])
+        q_btnh = q.reshape(b, t, n, nope + rope)
+        latent_btl = self.kv_a_proj_with_mqa(x_btd, keys[2])
+        kv_btnh = self.kv_b_proj(self.kv_a_layernorm(latent_btl[..., :self.kv_lora_rank]), keys[3]).reshape(
+            b, t, n, nope + v)
+        q_rot, k_rot = q_btnh[..., nope:], latent_btl[..., self.kv_lora_rank:][:, :, None, :]
+        if self.interleave:
+            q_rot, k_rot = (jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1) for x in (q_rot, k_rot))
+        q_rot, k_rot = apply_rope(q_rot, cos_bth, sin_bth), apply_rope(k_rot, cos_bth, sin_bth)
+        width = self.width
+
+        def padded(x):  # zero columns change neither a score nor an output column
+            return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, width - x.shape[-1])))
+
+        q_btnh = padded(jnp.concatenate([q_btnh[..., :nope], q_rot], axis=-1))
+        k_btnh = padded(jnp.concatenate([kv_btnh[..., :nope], jnp.broadcast_to(k_rot, (b, t, n, rope))], axis=-1))
+        v_btnh = padded(kv_btnh[..., nope:])
+        out_btnh, kv = _attend(q_btnh, k_btnh, v_btnh, mask, kv, cache_index, self.dtype, rules)
+        return remat_name(self.o_proj(out_btnh[..., :v].reshape(b, t, n * v), keys[4]), "projection"), kv
 
 
 class MLP(nnx.Module):
@@ -167,7 +240,7 @@ class DecoderLayer(nnx.Module):
         norm = dict(eps=config.rms_norm_eps, layers=layers, param_dtype=param_dtype,
                     unit_offset=config.norm_unit_offset)
         self.input_layernorm = RMSNorm(d, **norm)
-        self.self_attn = Attention(config, **kw)
+        self.self_attn = (LatentAttention if config.kv_lora_rank else Attention)(config, **kw)
         self.post_attention_layernorm = RMSNorm(d, **norm)
         if sparse:
             self.mlp = SparseMoeBlock(config, layers=layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
@@ -330,7 +403,7 @@ class CausalLM(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config
-        shape = (c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim)
+        shape = (c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.attention_width)
         return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
 
     def decode(self, input_ids, positions, key_valid, cache: KVCache, cache_index):
@@ -352,7 +425,7 @@ class CausalLM(nnx.Module):
         layer's experts of each token `[sparse layers, b, t, k]` (None without sparse layers) and, given which tokens
         are real (`real_bt`), the sparse layers' `RouterStats` summed (else None)."""
         c = self.config
-        if c.query_pre_attn_scalar is not None:
+        if c.query_pre_attn_scalar is not None or c.kv_lora_rank:
             mask = {**mask, "scale": c.attention_scale}
         cos_bth, sin_bth = cos_sin(positions, inv_freq(c.rope, c.head_dim), self.dtype, c.rope.attention_scaling)
         # The windowed layers take local_rope, where it differs, by a scanned flag.

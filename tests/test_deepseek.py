@@ -1,0 +1,126 @@
+"""DeepSeek-V3 against transformers' own class (DeepseekV3ForCausalLM): its multi-head latent attention on drawn
+configs (the query bottleneck or none, latent ranks, query/key and value widths apart, YaRN with its attention
+factor and softmax scale or plain RoPE, interleaved or rotate-half rotary pairs), config.json read and written
+back; the layers of experts refused in one line until they run."""
+
+import tempfile
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from converter import convert
+from jaxmodel import ModelConfig, load_pretrained
+from jaxmodel.config import ConfigError
+from strategies import yarn_ropes
+from test_parity import f32_tolerance, hf_logits, jax_logits
+
+
+@st.composite
+def deepseek_configs(draw, max_layers: int = 2) -> dict:
+    """A DeepSeek-V3 config of dense layers: every latent-attention switch drawn."""
+    heads = draw(st.sampled_from([1, 2, 4]))
+    rope = draw(st.one_of(st.just({"rope_type": "default"}), yarn_ropes()))
+    layers = draw(st.integers(1, max_layers))
+    return {
+        "model_type": "deepseek_v3", "vocab_size": draw(st.integers(16, 100)),
+        "hidden_size": heads * draw(st.sampled_from([4, 8, 12])), "intermediate_size": draw(st.integers(8, 48)),
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
+        "q_lora_rank": draw(st.sampled_from([None, 4, 12])), "kv_lora_rank": draw(st.sampled_from([4, 10])),
+        "qk_nope_head_dim": draw(st.sampled_from([2, 6, 8])), "qk_rope_head_dim": draw(st.sampled_from([2, 4, 8])),
+        "v_head_dim": draw(st.sampled_from([3, 8, 10])), "rope_interleave": draw(st.booleans()),
+        "attention_bias": draw(st.booleans()), "first_k_dense_replace": layers,
+        "rope_parameters": {**rope, "rope_theta": draw(st.sampled_from([10000.0, 1e6]))},
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "initializer_range": draw(st.sampled_from([0.1, 0.2])),
+        "tie_word_embeddings": draw(st.booleans()),
+    }
+
+
+def deepseek_model(config: dict, seed: int = 0) -> DeepseekV3ForCausalLM:
+    torch.manual_seed(seed)
+    return DeepseekV3ForCausalLM(DeepseekV3Config(**{k: v for k, v in config.items() if k != "model_type"})).eval()
+
+
+@settings(max_examples=20, deadline=None)
+@given(config=deepseek_configs())
+def test_configs_read_as_transformers_reads_them_and_write_back(config):
+    ours = ModelConfig.from_hf(config)
+    hf = DeepseekV3Config(**{k: v for k, v in config.items() if k != "model_type"})
+    assert (ours.head_dim, ours.qk_head_dim, ours.v_head_dim, ours.q_lora_rank or None) == (
+        hf.head_dim, hf.qk_head_dim, hf.v_head_dim, hf.q_lora_rank)
+    assert ModelConfig.from_hf(hf.to_dict()) == ours
+    written = ours.to_hf()
+    assert written["architectures"] == ["DeepseekV3ForCausalLM"] and ModelConfig.from_hf(written) == ours
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None)
+@given(config=deepseek_configs(), seed=st.integers(0, 2**16), shape=st.tuples(st.integers(1, 3), st.integers(1, 40)))
+def test_float32_logits_match_transformers(config, seed, shape):
+    hf = deepseek_model(config, seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(Path(tmp) / "hf")
+        convert(Path(tmp) / "hf", Path(tmp) / "jax", progress=False)
+        model = load_pretrained(Path(tmp) / "jax")
+    ids = np.random.default_rng(seed).integers(0, config["vocab_size"], shape)
+    expected = hf_logits(hf, ids)
+    assert np.abs(np.asarray(jax_logits(model, jnp.asarray(ids, jnp.int32))) - expected).max() <= \
+        f32_tolerance(expected)
+
+
+def test_the_blockwise_path_equals_the_plain_one():
+    """Latent attention's keys and values (values padded to the query width) through the blockwise path."""
+    config = {"model_type": "deepseek_v3", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 8,
+              "kv_lora_rank": 8, "qk_nope_head_dim": 6, "qk_rope_head_dim": 4, "v_head_dim": 5,
+              "first_k_dense_replace": 1, "initializer_range": 0.2}
+    hf = deepseek_model(config)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(Path(tmp) / "hf")
+        convert(Path(tmp) / "hf", Path(tmp) / "jax", progress=False)
+        plain = load_pretrained(Path(tmp) / "jax")
+        blockwise = load_pretrained(Path(tmp) / "jax", attention="blockwise")
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 24)), jnp.int32)
+    expected = np.asarray(plain(ids))
+    np.testing.assert_allclose(np.asarray(blockwise(ids)), expected, atol=f32_tolerance(expected))
+
+
+def test_greedy_generation_through_the_kv_cache_equals_transformers(tmp_path):
+    """Left-padded prompts, YaRN and a value head wider than the queries' (the queries and keys padded in the
+    cache): transformers caches the latents, this port each head's keys and values."""
+    from jaxmodel import generate
+
+    config = {"model_type": "deepseek_v3", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": None,
+              "kv_lora_rank": 8, "qk_nope_head_dim": 2, "qk_rope_head_dim": 4, "v_head_dim": 8,
+              "first_k_dense_replace": 2, "initializer_range": 0.3, "max_position_embeddings": 64,
+              "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                                  "mscale_all_dim": 0.5, "original_max_position_embeddings": 8}}
+    hf = deepseek_model(config, seed=3)
+    hf.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "jax", progress=False)
+    model = load_pretrained(tmp_path / "jax")
+    lengths, seq, pad = [9, 5], 9, 0
+    ids = np.random.default_rng(6).integers(1, 32, (2, seq))
+    mask = np.array([[0] * (seq - n) + [1] * n for n in lengths])
+    ids = np.where(mask == 1, ids, pad)
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=12,
+                             do_sample=False, eos_token_id=None, pad_token_id=pad).numpy()
+    ours = generate(model, ids, 12, attention_mask=mask, eos_token_id=(), pad_token_id=pad)
+    assert len(set(ours[:, seq:].reshape(-1).tolist())) > 2  # not one repeated token
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_sparse_layers_are_refused_in_one_line():
+    config = {"model_type": "deepseek_v3", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+              "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 2, "first_k_dense_replace": 3}
+    with pytest.raises(ConfigError) as info:
+        ModelConfig.from_hf(config)
+    assert str(info.value) == ("config: field 'first_k_dense_replace' is 3, below the 4 layers: DeepSeek-V3's "
+                               "mixtures of experts are not supported yet (only its dense layers run)")
