@@ -58,7 +58,7 @@ def bump(key, by):
     (bump("num_hidden_layers", 1), ("missing tensor 'model.layers.2.", "config.json implies")),  # missing tensor
     (lambda c: {**c, "model_type": "gpt_neox"}, ("config.json", "'model_type'", "'gpt_neox'",
                                                  "supported: llama, mistral, qwen2, qwen3, gemma3_text, gemma3, "
-                                                 "qwen3_moe, mixtral")),
+                                                 "qwen3_moe, mixtral, deepseek_v3")),
     # a Llama checkpoint labelled Qwen3: the head norms Qwen3 implies are missing
     (lambda c: {**c, "model_type": "qwen3"}, ("missing tensor 'model.layers.0.self_attn.k_norm.weight'",
                                               "config.json implies")),
@@ -121,6 +121,6 @@ def test_the_installed_command_exits_nonzero_with_one_line(tmp_path, src):
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         f"convert-llama: error: {src / 'config.json'}: field 'model_type' is 'gpt2'; supported: llama, mistral, qwen2, "
-        "qwen3, gemma3_text, gemma3, qwen3_moe, mixtral"
+        "qwen3, gemma3_text, gemma3, qwen3_moe, mixtral, deepseek_v3"
     ]
     assert not (tmp_path / "out").exists()

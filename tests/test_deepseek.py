@@ -93,7 +93,7 @@ def test_the_blockwise_path_equals_the_plain_one():
 def test_greedy_generation_through_the_kv_cache_equals_transformers(tmp_path):
     """Left-padded prompts, YaRN and a value head wider than the queries' (the queries and keys padded in the
     cache): transformers caches the latents, this port each head's keys and values."""
-    from jaxmodel import generate
+    from test_parity import left_padded_generations
 
     config = {"model_type": "deepseek_v3", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": None,
@@ -104,16 +104,8 @@ def test_greedy_generation_through_the_kv_cache_equals_transformers(tmp_path):
     hf = deepseek_model(config, seed=3)
     hf.save_pretrained(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "jax", progress=False)
-    model = load_pretrained(tmp_path / "jax")
-    lengths, seq, pad = [9, 5], 9, 0
-    ids = np.random.default_rng(6).integers(1, 32, (2, seq))
-    mask = np.array([[0] * (seq - n) + [1] * n for n in lengths])
-    ids = np.where(mask == 1, ids, pad)
-    with torch.no_grad():
-        theirs = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=12,
-                             do_sample=False, eos_token_id=None, pad_token_id=pad).numpy()
-    ours = generate(model, ids, 12, attention_mask=mask, eos_token_id=(), pad_token_id=pad)
-    assert len(set(ours[:, seq:].reshape(-1).tolist())) > 2  # not one repeated token
+    ours, theirs = left_padded_generations(hf, load_pretrained(tmp_path / "jax"), 32)
+    assert len(set(ours[:, 9:].reshape(-1).tolist())) > 2  # not one repeated token
     np.testing.assert_array_equal(ours, theirs)
 
 

@@ -804,20 +804,11 @@ def test_a_quantized_conversion_quantizes_each_expert_as_the_in_memory_model_doe
 @pytest.mark.slow
 def test_greedy_generation_through_the_kv_cache_equals_transformers(tiny_qwen3_moe, tmp_path):
     """Left-padded prompts on the sparse-dense-sparse model: the cache is written and read run by run."""
-    from jaxmodel import generate
+    from test_parity import left_padded_generations
 
     convert(tiny_qwen3_moe, tmp_path / "jax", progress=False)
-    model = load_pretrained(tmp_path / "jax")
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe, experts_implementation="eager")
-    lengths, seq, pad = [9, 5], 9, 0
-    ids = np.random.default_rng(6).integers(1, 32, (2, seq))
-    mask = np.array([[0] * (seq - n) + [1] * n for n in lengths])
-    ids = np.where(mask == 1, ids, pad)
-    with torch.no_grad():
-        theirs = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=12,
-                             do_sample=False, eos_token_id=None, pad_token_id=pad).numpy()
-    np.testing.assert_array_equal(generate(model, ids, 12, attention_mask=mask, eos_token_id=(), pad_token_id=pad),
-                                  theirs)
+    np.testing.assert_array_equal(*left_padded_generations(hf, load_pretrained(tmp_path / "jax"), 32))
 
 
 @pytest.mark.slow

@@ -57,6 +57,20 @@ def hf_logits(hf, ids, attention_mask=None) -> np.ndarray:
         return hf(torch.tensor(ids), attention_mask=mask).logits.float().numpy()
 
 
+def left_padded_generations(hf, model, vocab: int, lengths=(9, 5), new: int = 12, seed: int = 6, pad: int = 0):
+    """Greedy continuations of `new` tokens of random prompts of `lengths`, left-padded with `pad`, by
+    transformers' `generate` and by this port's (EOS never stops them): (ours, theirs)."""
+    from jaxmodel import generate
+
+    seq = max(lengths)
+    mask = np.array([[0] * (seq - n) + [1] * n for n in lengths])
+    ids = np.where(mask == 1, np.random.default_rng(seed).integers(1, vocab, (len(lengths), seq)), pad)
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=new,
+                             do_sample=False, eos_token_id=None, pad_token_id=pad).numpy()
+    return generate(model, ids, new, attention_mask=mask, eos_token_id=(), pad_token_id=pad), theirs
+
+
 @jax.jit
 def jax_logits(model, ids, attention_mask=None):
     return model(ids, attention_mask=attention_mask)
