@@ -125,6 +125,14 @@ class ModelConfig:
     round_router_weights: bool = False
     sparse_layers: tuple[bool, ...] = ()
     router_aux_loss_coef: float = 0.0
+    # DeepSeek-V3's routing when router_groups > 0 (jaxmodel.moe.grouped_sigmoid_route): sigmoid scores with a
+    # selection bias, the experts in router_groups groups of which router_top_groups are kept, the weights times
+    # routed_scaling_factor; shared_experts always-on experts beside the routed ones (one MLP of
+    # moe_intermediate_size * shared_experts).
+    router_groups: int = 0
+    router_top_groups: int = 0
+    routed_scaling_factor: float = 1.0
+    shared_experts: int = 0
     # Multi-head latent attention (jaxmodel.model.LatentAttention; DeepSeek-V3) when kv_lora_rank > 0: queries
     # through a q_lora_rank-wide bottleneck (0: one q_proj), each head's keys and values from one kv_lora_rank-wide
     # latent, plus a rotary key part shared by the heads; queries and keys qk_nope_head_dim + head_dim wide (head_dim
@@ -159,6 +167,13 @@ class ModelConfig:
                               f"{len(self.sparse_layers)} flags and num_experts={self.num_experts}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ConfigError(f"hidden_act={self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
+        if self.router_groups and (self.num_experts % self.router_groups or self.num_experts // self.router_groups < 2
+                                   or not 0 < self.router_top_groups <= self.router_groups
+                                   or self.num_experts_per_tok > self.router_top_groups * self.num_experts //
+                                   self.router_groups):
+            raise ConfigError(f"n_group={self.router_groups} must split the {self.num_experts} experts into groups of "
+                              f"2 or more, of which topk_group={self.router_top_groups} (1 to n_group) hold at least "
+                              f"num_experts_per_tok={self.num_experts_per_tok}")
         if self.kv_lora_rank and self.num_key_value_heads != self.num_attention_heads:
             raise ConfigError(f"num_key_value_heads={self.num_key_value_heads}: latent attention gives every one of "
                               f"the {self.num_attention_heads} heads its own keys and values")

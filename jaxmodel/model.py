@@ -185,13 +185,14 @@ class MLP(nnx.Module):
     """A gated MLP: `down(act(gate(x)) * up(x))`, SwiGLU with `silu`."""
 
     def __init__(self, config: ModelConfig, *, layers: int | None, dtype, param_dtype,
-                 quantization: Quantization | None = None, rngs: nnx.Rngs):
+                 quantization: Quantization | None = None, rngs: nnx.Rngs, intermediate_size: int | None = None):
         c = config
+        f = c.intermediate_size if intermediate_size is None else intermediate_size
         kw = dict(use_bias=c.mlp_bias, layers=layers, dtype=dtype, param_dtype=param_dtype,
                   quantization=quantization, rngs=rngs)
-        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, axes=("mlp", "embed"), **kw)
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, axes=("mlp", "embed"), **kw)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, axes=("embed", "mlp"), **kw)
+        self.gate_proj = Linear(c.hidden_size, f, axes=("mlp", "embed"), **kw)
+        self.up_proj = Linear(c.hidden_size, f, axes=("mlp", "embed"), **kw)
+        self.down_proj = Linear(f, c.hidden_size, axes=("embed", "mlp"), **kw)
         self.activation = c.hidden_act
 
     def __call__(self, x_btd, key=None, chunk: int = 0, rules: Rules = DEFAULT_RULES):
@@ -243,8 +244,10 @@ class DecoderLayer(nnx.Module):
         self.self_attn = (LatentAttention if config.kv_lora_rank else Attention)(config, **kw)
         self.post_attention_layernorm = RMSNorm(d, **norm)
         if sparse:
+            shared = None if not config.shared_experts else MLP(
+                config, **kw, intermediate_size=config.moe_intermediate_size * config.shared_experts)
             self.mlp = SparseMoeBlock(config, layers=layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                                      quantization=quantization)
+                                      quantization=quantization, shared_experts=shared)
         else:
             self.mlp = MLP(config, **kw)
         self.sparse = sparse

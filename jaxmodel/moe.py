@@ -547,19 +547,40 @@ def _token_axes(mesh, rules: Rules, tokens: int) -> tuple[str, ...]:
     return () if tokens % ways else axes
 
 
+class BiasedRouter(Linear):
+    """DeepSeek-V3's router: its `[e, d]` weight and `e_score_correction_bias` `[e]`, a frozen buffer added to the
+    scores for choosing the experts only (`grouped_sigmoid_route`)."""
+
+    def __init__(self, in_features: int, experts: int, *, layers: int | None, dtype, param_dtype, rngs: nnx.Rngs):
+        super().__init__(in_features, experts, axes=("experts", "embed"), layers=layers, dtype=dtype,
+                         param_dtype=param_dtype, rngs=rngs)
+        shape = (experts,) if layers is None else (layers, experts)
+        self.e_score_correction_bias = nnx.Param(jnp.zeros(shape, jnp.float32),
+                                                 axes=("experts",) if layers is None else ("layers", "experts"))
+
+
 class SparseMoeBlock(nnx.Module):
-    """A sparse layer's MLP: the router `gate` (`[e, d]`, a Linear) choosing each token's experts (`route`) and the
-    `experts` (`Experts`), transformers 5's `mlp` of Qwen3-MoE and Mixtral. With `quantization` the experts hold
-    their weights quantized; the router, small and deciding which experts run, does not."""
+    """A sparse layer's MLP: the router `gate` (`[e, d]`, a Linear) choosing each token's experts (`route`; DeepSeek-V3's
+    `BiasedRouter` and `grouped_sigmoid_route` with `router_groups`) and the `experts` (`Experts`), transformers
+    5's `mlp` of Qwen3-MoE and Mixtral; with `shared_experts`, an MLP every token runs beside them (DeepSeek-V3's
+    `shared_experts`, the decoder's MLP module, given). With `quantization` the experts hold their weights quantized; the router, small and deciding
+    which experts run, does not."""
 
     def __init__(self, config, *, layers: int | None, dtype, param_dtype, rngs: nnx.Rngs, grouped: str = "blocks",
-                 block: int = BLOCK, quantization: Quantization | None = None):
+                 block: int = BLOCK, quantization: Quantization | None = None,
+                 shared_experts: nnx.Module | None = None):
         c = config
-        self.gate = Linear(c.hidden_size, c.num_experts, axes=("experts", "embed"), layers=layers, dtype=dtype,
-                           param_dtype=param_dtype, rngs=rngs)
+        if c.router_groups:
+            self.gate = BiasedRouter(c.hidden_size, c.num_experts, layers=layers, dtype=dtype, param_dtype=param_dtype,
+                                     rngs=rngs)
+        else:
+            self.gate = Linear(c.hidden_size, c.num_experts, axes=("experts", "embed"), layers=layers, dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs)
         self.experts = Experts(c, layers=layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs, grouped=grouped,
                                block=block, quantization=quantization)
+        self.shared_experts = shared_experts
         self.top_k, self.normalize, self.round_weights = c.num_experts_per_tok, c.norm_topk_prob, c.round_router_weights
+        self.groups, self.top_groups, self.scale = c.router_groups, c.router_top_groups, c.routed_scaling_factor
         self.dtype = dtype
 
     def __call__(self, x_btd: jax.Array, rules: Rules = DEFAULT_RULES,
@@ -569,11 +590,18 @@ class SparseMoeBlock(nnx.Module):
         b, t, d = x_btd.shape
         x_td = x_btd.reshape(b * t, d)
         logits_te = self.gate(x_td)
-        weights_tk, experts_tk = route(logits_te, self.top_k, self.normalize)
+        if self.groups:
+            weights_tk, experts_tk = grouped_sigmoid_route(logits_te, self.gate.e_score_correction_bias[...],
+                                                           self.top_k, self.groups, self.top_groups, self.normalize,
+                                                           self.scale)
+        else:
+            weights_tk, experts_tk = route(logits_te, self.top_k, self.normalize)
         stats = None if real_bt is None else router_stats(logits_te, experts_tk, real_bt.reshape(b * t))
         if self.round_weights:  # as transformers' Qwen3-MoE router casts them to the hidden states' dtype
             weights_tk = weights_tk.astype(self.dtype).astype(jnp.float32)
         y_btd = self.experts(x_td, weights_tk, experts_tk, rules).astype(self.dtype).reshape(b, t, d)
+        if self.shared_experts is not None:
+            y_btd = y_btd + self.shared_experts(x_btd, rules=rules)
         return y_btd, experts_tk.reshape(b, t, -1), stats
 
 

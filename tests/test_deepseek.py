@@ -1,7 +1,8 @@
-"""DeepSeek-V3 against transformers' own class (DeepseekV3ForCausalLM): its multi-head latent attention on drawn
-configs (the query bottleneck or none, latent ranks, query/key and value widths apart, YaRN with its attention
-factor and softmax scale or plain RoPE, interleaved or rotate-half rotary pairs), config.json read and written
-back; the layers of experts refused in one line until they run."""
+"""DeepSeek-V3 against transformers' own class (DeepseekV3ForCausalLM) on drawn configs: its multi-head latent attention
+(the query bottleneck or none, latent ranks, query/key and value widths apart, YaRN with its attention factor and
+softmax scale or plain RoPE, interleaved or rotate-half rotary pairs) and its mixtures of experts (dense first
+layers, sigmoid routing with a selection bias over groups, renormalised or not, scaled, shared experts or none);
+config.json read and written back; a grouping that cannot hold the experts refused in one line."""
 
 import tempfile
 from pathlib import Path
@@ -23,18 +24,24 @@ from test_parity import f32_tolerance, hf_logits, jax_logits
 
 @st.composite
 def deepseek_configs(draw, max_layers: int = 2) -> dict:
-    """A DeepSeek-V3 config of dense layers: every latent-attention switch drawn."""
+    """A DeepSeek-V3 config: every latent-attention and routing switch drawn, dense layers first, then sparse."""
     heads = draw(st.sampled_from([1, 2, 4]))
     rope = draw(st.one_of(st.just({"rope_type": "default"}), yarn_ropes()))
     layers = draw(st.integers(1, max_layers))
-    return {
+    groups, per_group = draw(st.sampled_from([1, 2, 4])), draw(st.integers(2, 3))
+    top_groups = draw(st.integers(1, groups))
+    experts = {"n_routed_experts": groups * per_group, "n_group": groups, "topk_group": top_groups,
+               "num_experts_per_tok": draw(st.integers(1, top_groups * per_group)),
+               "moe_intermediate_size": draw(st.sampled_from([4, 10])), "n_shared_experts": draw(st.integers(1, 2)),
+               "norm_topk_prob": draw(st.booleans()), "routed_scaling_factor": draw(st.sampled_from([1.0, 2.5]))}
+    return {**experts,
         "model_type": "deepseek_v3", "vocab_size": draw(st.integers(16, 100)),
         "hidden_size": heads * draw(st.sampled_from([4, 8, 12])), "intermediate_size": draw(st.integers(8, 48)),
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
         "q_lora_rank": draw(st.sampled_from([None, 4, 12])), "kv_lora_rank": draw(st.sampled_from([4, 10])),
         "qk_nope_head_dim": draw(st.sampled_from([2, 6, 8])), "qk_rope_head_dim": draw(st.sampled_from([2, 4, 8])),
         "v_head_dim": draw(st.sampled_from([3, 8, 10])), "rope_interleave": draw(st.booleans()),
-        "attention_bias": draw(st.booleans()), "first_k_dense_replace": layers,
+        "attention_bias": draw(st.booleans()), "first_k_dense_replace": draw(st.integers(0, layers)),
         "rope_parameters": {**rope, "rope_theta": draw(st.sampled_from([10000.0, 1e6]))},
         "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "initializer_range": draw(st.sampled_from([0.1, 0.2])),
         "tie_word_embeddings": draw(st.booleans()),
@@ -42,8 +49,16 @@ def deepseek_configs(draw, max_layers: int = 2) -> dict:
 
 
 def deepseek_model(config: dict, seed: int = 0) -> DeepseekV3ForCausalLM:
+    """transformers' class, seeded, its routers' selection biases drawn too (they start at 0), its experts computed
+    by the plain loop (its default CPU kernel refuses some small shapes)."""
     torch.manual_seed(seed)
-    return DeepseekV3ForCausalLM(DeepseekV3Config(**{k: v for k, v in config.items() if k != "model_type"})).eval()
+    hf = DeepseekV3ForCausalLM(DeepseekV3Config(**{k: v for k, v in config.items() if k != "model_type"})).eval()
+    hf.set_experts_implementation("eager")
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(hf.config.n_routed_experts))
+    return hf
 
 
 @settings(max_examples=20, deadline=None)
@@ -53,6 +68,9 @@ def test_configs_read_as_transformers_reads_them_and_write_back(config):
     hf = DeepseekV3Config(**{k: v for k, v in config.items() if k != "model_type"})
     assert (ours.head_dim, ours.qk_head_dim, ours.v_head_dim, ours.q_lora_rank or None) == (
         hf.head_dim, hf.qk_head_dim, hf.v_head_dim, hf.q_lora_rank)
+    with torch.device("meta"):
+        sparse = tuple(hasattr(layer.mlp, "experts") for layer in DeepseekV3ForCausalLM(hf).model.layers)
+    assert (ours.sparse_layers or (False,) * len(sparse)) == sparse
     assert ModelConfig.from_hf(hf.to_dict()) == ours
     written = ours.to_hf()
     assert written["architectures"] == ["DeepseekV3ForCausalLM"] and ModelConfig.from_hf(written) == ours
@@ -109,10 +127,12 @@ def test_greedy_generation_through_the_kv_cache_equals_transformers(tmp_path):
     np.testing.assert_array_equal(ours, theirs)
 
 
-def test_sparse_layers_are_refused_in_one_line():
+def test_a_grouping_that_cannot_hold_the_experts_is_refused_in_one_line():
     config = {"model_type": "deepseek_v3", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
-              "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 2, "first_k_dense_replace": 3}
+              "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 2, "first_k_dense_replace": 3,
+              "n_routed_experts": 6, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 8}
     with pytest.raises(ConfigError) as info:
         ModelConfig.from_hf(config)
-    assert str(info.value) == ("config: field 'first_k_dense_replace' is 3, below the 4 layers: DeepSeek-V3's "
-                               "mixtures of experts are not supported yet (only its dense layers run)")
+    assert str(info.value) == ("n_group=4 must split the 6 experts into groups of 2 or more, of which topk_group=2 "
+                               "(1 to n_group) hold at least num_experts_per_tok=2")

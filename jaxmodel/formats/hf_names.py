@@ -21,7 +21,7 @@ from typing import NamedTuple
 from jaxmodel.families import FAMILIES
 from jaxmodel.families.family import ExpertTensor
 
-PARAMS = ("weight", "bias")
+PARAMS = ("weight", "bias", "e_score_correction_bias")  # the last: DeepSeek-V3's router's selection bias
 STACKS = {False: "layers", True: "moe_layers"}  # the JAX stack of each kind of layer (sparse: experts)
 
 # Tensors some checkpoints carry that the model recomputes (older transformers saved the RoPE buffer).
