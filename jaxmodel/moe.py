@@ -560,11 +560,11 @@ class BiasedRouter(Linear):
 
 
 class SparseMoeBlock(nnx.Module):
-    """A sparse layer's MLP: the router `gate` (`[e, d]`, a Linear) choosing each token's experts (`route`; DeepSeek-V3's
-    `BiasedRouter` and `grouped_sigmoid_route` with `router_groups`) and the `experts` (`Experts`), transformers
-    5's `mlp` of Qwen3-MoE and Mixtral; with `shared_experts`, an MLP every token runs beside them (DeepSeek-V3's
-    `shared_experts`, the decoder's MLP module, given). With `quantization` the experts hold their weights quantized; the router, small and deciding
-    which experts run, does not."""
+    """A sparse layer's MLP: the router `gate` (`[e, d]`, a Linear) choosing each token's experts (`route`;
+    DeepSeek-V3's `BiasedRouter` and `grouped_sigmoid_route` with `router_groups`) and the `experts` (`Experts`),
+    transformers 5's `mlp` of Qwen3-MoE and Mixtral; with `shared_experts`, an MLP every token runs beside them
+    (DeepSeek-V3's `shared_experts`, the decoder's MLP module, given). With `quantization` the experts hold their
+    weights quantized; the router, small and deciding which experts run, does not."""
 
     def __init__(self, config, *, layers: int | None, dtype, param_dtype, rngs: nnx.Rngs, grouped: str = "blocks",
                  block: int = BLOCK, quantization: Quantization | None = None,
