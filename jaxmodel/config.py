@@ -397,57 +397,43 @@ def _rope(params: dict[str, Any], where: str, field_name: str) -> RopeConfig:
     theta = float(params["rope_theta"])
     if rope_type == "default":
         return RopeConfig(type="default", theta=theta)
+    def number(key, default=None, positive=True):
+        return _rope_number(params, key, f"{where}: field '{field_name}.{key}'", default, positive)
+
     if rope_type == "linear":
-        factor = params.get("factor")
-        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
-            raise ConfigError(f"{where}: field '{field_name}.factor' must be a positive number, got {factor!r}")
-        return RopeConfig(type="linear", theta=theta, factor=float(factor))
-    if rope_type == "yarn":
-        return _yarn(params, theta, where, field_name)
-    values = {}
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-        value = params.get(key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-            raise ConfigError(f"{where}: field '{field_name}.{key}' must be a positive number, got {value!r}")
-        values[key] = value
+        return RopeConfig(type="linear", theta=theta, factor=number("factor"))
+    if rope_type == "yarn":  # as transformers reads it: beta_fast/beta_slow absent or 0 are 32 and 1
+        truncate = params.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise ConfigError(f"{where}: field '{field_name}.truncate' must be true or false, got {truncate!r}")
+        return RopeConfig(type="yarn", theta=theta, factor=number("factor"),
+                          original_max_position_embeddings=int(number("original_max_position_embeddings")),
+                          beta_fast=number("beta_fast", 0.0, positive=False) or 32.0,
+                          beta_slow=number("beta_slow", 0.0, positive=False) or 1.0,
+                          mscale=number("mscale", 0.0, positive=False),
+                          mscale_all_dim=number("mscale_all_dim", 0.0, positive=False),
+                          attention_factor=None if params.get("attention_factor") is None else
+                          number("attention_factor"), truncate=truncate)
+    values = {key: number(key) for key in ("factor", "low_freq_factor", "high_freq_factor",
+                                           "original_max_position_embeddings")}
     if values["high_freq_factor"] <= values["low_freq_factor"]:
         raise ConfigError(f"{where}: field '{field_name}.high_freq_factor' must exceed low_freq_factor")
-    return RopeConfig(
-        type="llama3",
-        theta=theta,
-        factor=float(values["factor"]),
-        low_freq_factor=float(values["low_freq_factor"]),
-        high_freq_factor=float(values["high_freq_factor"]),
-        original_max_position_embeddings=int(values["original_max_position_embeddings"]),
-    )
+    return RopeConfig(type="llama3", theta=theta, factor=values["factor"], low_freq_factor=values["low_freq_factor"],
+                      high_freq_factor=values["high_freq_factor"],
+                      original_max_position_embeddings=int(values["original_max_position_embeddings"]))
 
 
-def _yarn(params: dict[str, Any], theta: float, where: str, field_name: str) -> RopeConfig:
-    """YaRN's fields as transformers reads them (`beta_fast`/`beta_slow` absent or 0: 32 and 1)."""
-    def number(key, default=None, positive=True):
-        value = params.get(key)
-        if value is None:
-            if default is None:
-                raise ConfigError(f"{where}: field '{field_name}.{key}' is missing")
-            return default
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or \
-                (value <= 0 if positive else value < 0):
-            kind = "positive" if positive else "non-negative"
-            raise ConfigError(f"{where}: field '{field_name}.{key}' must be a {kind} number, got {value!r}")
-        return float(value)
-
-    truncate = params.get("truncate", True)
-    if not isinstance(truncate, bool):
-        raise ConfigError(f"{where}: field '{field_name}.truncate' must be true or false, got {truncate!r}")
-    attention_factor = params.get("attention_factor")
-    return RopeConfig(type="yarn", theta=theta, factor=number("factor"),
-                      original_max_position_embeddings=int(number("original_max_position_embeddings")),
-                      beta_fast=number("beta_fast", 0.0, positive=False) or 32.0,
-                      beta_slow=number("beta_slow", 0.0, positive=False) or 1.0,
-                      mscale=number("mscale", 0.0, positive=False),
-                      mscale_all_dim=number("mscale_all_dim", 0.0, positive=False),
-                      attention_factor=None if attention_factor is None else number("attention_factor"),
-                      truncate=truncate)
+def _rope_number(params: dict[str, Any], key: str, field: str, default: float | None = None,
+                 positive: bool = True) -> float:
+    """`params[key]` as a float, a finite positive (or, not `positive`, non-negative) number; `default` when absent
+    (None: required). `field` names it in the error."""
+    value = params.get(key)
+    if value is None and default is not None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or \
+            (value <= 0 if positive else value < 0):
+        raise ConfigError(f"{field} must be a {'positive' if positive else 'non-negative'} number, got {value!r}")
+    return float(value)
 
 
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:

@@ -554,9 +554,8 @@ class BiasedRouter(Linear):
     def __init__(self, in_features: int, experts: int, *, layers: int | None, dtype, param_dtype, rngs: nnx.Rngs):
         super().__init__(in_features, experts, axes=("experts", "embed"), layers=layers, dtype=dtype,
                          param_dtype=param_dtype, rngs=rngs)
-        shape = (experts,) if layers is None else (layers, experts)
-        self.e_score_correction_bias = nnx.Param(jnp.zeros(shape, jnp.float32),
-                                                 axes=("experts",) if layers is None else ("layers", "experts"))
+        shape, axes = _stacked(layers, (experts,), ("experts",))
+        self.e_score_correction_bias = nnx.Param(jnp.zeros(shape, jnp.float32), axes=axes)
 
 
 class SparseMoeBlock(nnx.Module):

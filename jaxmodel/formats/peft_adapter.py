@@ -173,10 +173,10 @@ def adapter_config(lora_config: LoraConfig, base_model: str, revision: str | Non
     and `revision` are what `AutoPeftModelForCausalLM` loads the base from; `exclude_modules` the regex of the
     base's modules outside the decoder (a multimodal family's `adapter_excludes`); `modules`, every target as a
     module (the per-expert layout's `per_expert_modules`), else the experts and the router as parameters."""
-    parameters = [] if modules is not None else [TARGET_PARAMETERS[t] for t in lora_config.targets
-                                                 if t in PARAMETER_TARGETS]
+    parameters = []
     if modules is None:
         modules = sorted(set(lora_config.targets) - set(PARAMETER_TARGETS))
+        parameters = [TARGET_PARAMETERS[t] for t in lora_config.targets if t in PARAMETER_TARGETS]
     return {
         "alora_invocation_tokens": None,
         "alpha_pattern": {pattern_key(t): alpha for t, alpha in lora_config.alpha_pattern}, "arrow_config": None,
@@ -336,14 +336,12 @@ def _from_per_expert(targets: list[str], tensors: Mapping[str, np.ndarray], rank
     pieces: dict[tuple[str, int], dict[tuple[int, int, str], np.ndarray]] = {}
     converted = {}
     for key, value in tensors.items():
+        module, _, kind = key.removeprefix(PREFIX).rpartition(".lora_")
+        found = names.locate(module + ".weight") if key.startswith(PREFIX) else None
         if not _PER_EXPERT.search(key):
-            module, _, kind = key.removeprefix(PREFIX).rpartition(".lora_")
-            found = names.locate(module + ".weight") if key.startswith(PREFIX) else None
             runtime = None if found is None else names.runtime_module(found.path.rsplit(".", 1)[0], found.layer)
             converted[key if runtime is None else f"{PREFIX}{runtime}.lora_{kind}"] = value
             continue
-        module, _, kind = key.removeprefix(PREFIX).rpartition(".lora_")
-        found = names.locate(module + ".weight")
         if found is None or found.expert is None or kind not in ("A.weight", "B.weight") or \
                 target_name(found.path.rsplit(".", 1)[0]) not in adapted:
             raise AdapterError(f"{where}: tensor '{key}' is not an adapter of this model's adapted experts")
