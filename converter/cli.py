@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from converter.conversion import DEFAULT_QUANT_BLOCK, DTYPE_CHOICES, QUANTIZE_CHOICES, convert
+from converter.conversion import DTYPE_CHOICES, QUANTIZE_CHOICES, convert
+from jaxmodel.quantization import DEFAULT_BLOCKS
 from jaxmodel.errors import UserError, report
 
 
@@ -21,11 +22,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="keep", choices=list(DTYPE_CHOICES),
                         help="dtype of the stored weights; 'keep' stores each tensor as the source has it")
     parser.add_argument("--quantize", default=None, choices=list(QUANTIZE_CHOICES),
-                        help="store the seven projections of every layer quantized, for a frozen base (QLoRA): "
-                             "nf4 (bitsandbytes' NF4 codes) or int8; embeddings, norms and the LM head keep --dtype")
+                        help="store the projections of every layer (and the experts) quantized, for a frozen base "
+                             "(QLoRA): nf4 (bitsandbytes' NF4 codes), int8, or fp8 (e4m3 in square blocks, the "
+                             "layout of DeepSeek-V3's FP8 checkpoints, which convert as they are without this); "
+                             "embeddings, norms, routers and the LM head keep --dtype")
     parser.add_argument("--quant-block", type=int, default=None, metavar="N",
-                        help=f"values per scale along each projection's input dimension, with --quantize "
-                             f"(default {DEFAULT_QUANT_BLOCK})")
+                        help="values per scale along each projection's input dimension (nf4, int8; default "
+                             f"{DEFAULT_BLOCKS['nf4']}), or the side of fp8's square blocks (default "
+                             f"{DEFAULT_BLOCKS['fp8']}), with --quantize")
     parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) for a hub id")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing converted checkpoint at --out")
     parser.add_argument("--verify", action="store_true", help="re-read the output and check every checksum")

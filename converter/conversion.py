@@ -12,6 +12,7 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -21,7 +22,8 @@ from jaxmodel.formats.hf_names import names_of
 from jaxmodel.formats.hf_checkpoint import (AUX_FILES, HFCheckpointError, SourceTensor, close_file, iter_chunks,
                                             list_tensors, open_file)
 from jaxmodel.formats.atomic import atomic_directory
-from jaxmodel.formats.checkpoint import CheckpointError, hf_tensors_by_param, param_specs, verify_checkpoint
+from jaxmodel.formats.checkpoint import (CheckpointError, in_prediction_layer, fp8_scales_offset, hf_tensors_by_param,
+                                         param_specs, verify_checkpoint)
 from jaxmodel.formats.checkpoint_writer import CheckpointWriter
 from jaxmodel.formats.io import read_json
 from jaxmodel.formats.markers import CONVERTED_CHECKPOINT, directory_kind
@@ -32,7 +34,6 @@ from jaxmodel.quantization import SCHEMES, Quantization, quantize
 
 DTYPE_CHOICES = {"keep": None, "bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"], "float16": DTYPES["F16"]}
 QUANTIZE_CHOICES = SCHEMES
-DEFAULT_QUANT_BLOCK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +42,14 @@ class ConversionSummary:
     tensors: int
     bytes: int
     seconds: float
+    skipped: int = 0  # tensors of the layers past the model's last (multi-token prediction)
 
     def __str__(self) -> str:
         rate = self.bytes / max(self.seconds, 1e-9)
+        skipped = (f"; skipped the {self.skipped} tensors of the multi-token-prediction layers past num_hidden_layers "
+                   "(transformers does not load them either)") if self.skipped else ""
         return (f"converted {self.tensors} tensors, {_human(self.bytes)}B in {self.seconds:.2f} s "
-                f"({_human(rate)}B/s) -> {self.out}")
+                f"({_human(rate)}B/s) -> {self.out}{skipped}")
 
 
 def _human(n: float) -> str:
@@ -73,10 +77,12 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "keep", quantize: 
     # Before anything is read. A hub id's snapshot in the HF cache is protected by its kind (a HF checkpoint).
     target = _check_destination(out, src if Path(src).expanduser().exists() else None, overwrite)
     source_dir = resolve_source(str(src), revision)
-    _check_unquantized_source(source_dir)
+    stored = _source_quantization(source_dir)
+    if stored is not None:
+        quantization = _kept_quantization(stored, quantization, source_dir)
     config = ModelConfig.from_hf(source_dir)
     kind, tensors = list_tensors(source_dir)
-    plan = _plan(config, tensors, source_dir, DTYPE_CHOICES[dtype], quantization)
+    plan = _plan(config, tensors, source_dir, DTYPE_CHOICES[dtype], quantization, stored)
     source = source_record(src, source_dir)
     try:
         with atomic_directory(target, "converting") as tmp:
@@ -91,63 +97,110 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "keep", quantize: 
                                      str(out), str(e))) from None
     except OSError as e:  # the disk or filesystem refused: nothing is left at `out`
         raise ConversionError(f"{e.filename or out}: {e.strerror or e}") from None
-    return ConversionSummary(out, len(plan.sources), total, time.perf_counter() - start)
+    return ConversionSummary(out, len(plan.sources), total, time.perf_counter() - start, plan.skipped)
 
 
 def _quantization(scheme: str | None, block: int | None) -> Quantization | None:
     if scheme is None:
         if block is not None:
-            raise ConversionUsageError("--quant-block needs --quantize (nf4 or int8)")
+            raise ConversionUsageError(f"--quant-block needs --quantize ({', '.join(QUANTIZE_CHOICES)})")
         return None
     if scheme not in QUANTIZE_CHOICES:
         raise ConversionUsageError(f"--quantize {scheme!r}: expected one of {', '.join(QUANTIZE_CHOICES)}")
     try:
-        return Quantization(scheme, DEFAULT_QUANT_BLOCK if block is None else block)
+        return Quantization(scheme, block)
     except ValueError as e:
         raise ConversionUsageError(f"--quant-block {block}: {e}") from None
 
 
-def _check_unquantized_source(source_dir: Path) -> None:
-    """Refuse a converted checkpoint and an already quantized HF checkpoint as the source."""
+def _source_quantization(source_dir: Path) -> Quantization | None:
+    """The FP8 blocks an FP8 HF checkpoint stores (None for an unquantized one); ConversionError for a converted
+    checkpoint and for any other quantized one."""
     if directory_kind(source_dir) == CONVERTED_CHECKPOINT:
         raise ConversionError(f"--src {source_dir}: a converted checkpoint, not a HF checkpoint (convert-llama reads "
                               f"the HF checkpoint it came from)")
     config_file = source_dir / "config.json"
     raw = read_json(config_file, ConversionError) if config_file.is_file() else {}
     found = raw.get("quantization_config") if isinstance(raw, dict) else None
-    if found is not None:
-        method = found.get("quant_method", "unknown method") if isinstance(found, dict) else found
+    if found is None:
+        return None
+    method = found.get("quant_method", "unknown method") if isinstance(found, dict) else found
+    if method != "fp8":
         raise ConversionError(f"{config_file}: 'quantization_config' ({method}): the checkpoint is already quantized; "
-                              f"convert-llama needs unquantized weights (use --quantize on those)")
+                              f"convert-llama needs unquantized or FP8 weights (use --quantize on unquantized ones)")
+    blocks, fmt = found.get("weight_block_size"), found.get("fmt", "e4m3")
+    if fmt != "e4m3" or not (isinstance(blocks, list) and len(blocks) == 2 and blocks[0] == blocks[1]
+                             and isinstance(blocks[0], int) and blocks[0] > 0):
+        raise ConversionError(f"{config_file}: 'quantization_config': expected FP8 of fmt \"e4m3\" in square blocks "
+                              f"('weight_block_size' [n, n]), found fmt {fmt!r}, weight_block_size {blocks!r}")
+    return Quantization("fp8", blocks[0])
+
+
+def _kept_quantization(stored: Quantization, asked: Quantization | None, source_dir: Path) -> Quantization:
+    """An FP8 checkpoint converts as it is: `--quantize` may only name the same."""
+    if asked is not None and asked != stored:
+        raise ConversionUsageError(f"--quantize {asked.scheme} --quant-block {asked.block}: {source_dir} is FP8 in "
+                                   f"blocks of {stored.block}, kept as it is (leave out --quantize)")
+    return stored
+
+
+class _Source(NamedTuple):
+    """Where a HF tensor goes: parameter `path` (a quantized one's `.weight` when the tensor is quantized while it
+    streams), slice `layer`, `start` elements into it; for an FP8 weight quantized while it streams, where its scales
+    start in the `.scales` slice."""
+
+    path: str
+    layer: int
+    start: int
+    quantize: bool = False
+    scales_start: int = 0
 
 
 @dataclasses.dataclass
 class _Plan:
     specs: dict[str, tuple[tuple[int, ...], np.dtype, bool]]  # JAX path -> (shape, dtype, stacked)
-    sources: dict[str, tuple[str, int, int]]  # HF name -> (JAX path, slice index, elements into the slice)
+    sources: dict[str, _Source]  # HF name -> where it goes
     quantization: Quantization | None = None
-    quantized: frozenset[str] = frozenset()  # weight paths stored as `.codes` + `.scales`
+    skipped: int = 0  # tensors of the layers past the model's (multi-token prediction), not converted
 
 
 def _plan(config: ModelConfig, tensors: list[SourceTensor], source_dir: Path, dtype: np.dtype | None,
-          quantization: Quantization | None = None) -> _Plan:
+          quantization: Quantization | None = None, stored: Quantization | None = None) -> _Plan:
+    """What goes where. An FP8 checkpoint's (`stored`) FP8 weights and scales are copied as they are; its other
+    projections, like every projection of an unquantized checkpoint with `quantization`, quantized as they stream."""
     expected = param_specs(config)
-    by_path = hf_tensors_by_param(config, tensors, source_dir, ConversionError)
-    sources = {piece.tensor.name: (path, layer, piece.offset) for path, layers in by_path.items()
-               for layer, pieces in layers.items() for piece in pieces}
+    by_path = hf_tensors_by_param(config, tensors, source_dir, ConversionError, stored and stored.block)
     stacked = names_of(config).is_stacked
     specs = {path: (shape, dtype if dtype is not None else by_path[path][0][0].tensor.dtype, stacked(path))
              for path, (shape, _) in expected.items()}
-    if quantization is None:
-        return _Plan(specs, sources)
-    quantized = _quantized_paths(config, expected, quantization, source_dir)
+    quantized = set() if quantization is None else set(_quantized_paths(config, expected, quantization, source_dir))
     for path in quantized:
         shape, _, stacked = specs.pop(path)
         codes_shape, scales_shape = quantization.shapes(shape)
         module = path.removesuffix(".weight")
         specs[module + ".codes"] = (codes_shape, quantization.codes_dtype, stacked)
         specs[module + ".scales"] = (scales_shape, np.dtype(np.float32), stacked)
-    return _Plan(specs, sources, quantization, frozenset(quantized))
+    sources = {}
+    for path, layers in by_path.items():
+        module = path.removesuffix(".weight")
+        for layer, pieces in layers.items():
+            for piece in pieces:
+                name = piece.tensor.name
+                if piece.scales is not None:
+                    if path not in quantized:
+                        raise ConversionError(f"{piece.tensor.file}: tensor '{name}' is FP8, but the model keeps "
+                                              f"'{path}' unquantized")
+                    sources[name] = _Source(module + ".codes", layer, piece.offset)
+                    scales, start = piece.scales
+                    sources[scales.name] = _Source(module + ".scales", layer, start)
+                elif path in quantized:
+                    scales_start = 0 if not quantization.two_dimensional else fp8_scales_offset(
+                        piece, expected[path][0], quantization.block, ConversionError)
+                    sources[name] = _Source(path, layer, piece.offset, True, scales_start)
+                else:
+                    sources[name] = _Source(path, layer, piece.offset)
+    skipped = sum(1 for t in tensors if config.prediction_layers and in_prediction_layer(config, t.name))
+    return _Plan(specs, sources, quantization, skipped)
 
 
 def _quantized_paths(config: ModelConfig, expected: dict, quantization: Quantization, source_dir: Path) -> list[str]:
@@ -156,6 +209,15 @@ def _quantized_paths(config: ModelConfig, expected: dict, quantization: Quantiza
     # Which Linears the model quantizes does not depend on the block: ask it with a block that divides all.
     structure = param_specs(config, quantization=Quantization("int8", 1))
     paths = [p.removesuffix(".codes") + ".weight" for p in structure if p.endswith(".codes")]
+    if quantization.two_dimensional:  # partial blocks at the edges; a fused expert weight's parts whole blocks
+        names = names_of(config)
+        for path in paths:
+            rows = expected[path][0][-2]
+            parts = {t.parts for t in names.expert_tensors(path)} - {1}
+            if parts and rows // max(parts) % quantization.block:
+                raise ConversionError(f"{source_dir}: --quantize fp8 blocks of {quantization.block} straddle the "
+                                      f"{max(parts)} fused parts of '{names.jax_to_hf(path, 0)}' ({rows} rows)")
+        return paths
     for path in paths:
         shape, _ = expected[path]
         if shape[-1] % quantization.block:
@@ -182,9 +244,10 @@ def _copy(plan: _Plan, tensors: list[SourceTensor], kind: str, tmp: Path, progre
                 handle = open_file(file, kind)
                 try:
                     for t in (t for t in todo if t.file == file):
-                        path, index, start = plan.sources[t.name]
-                        if path in plan.quantized:
-                            n = _write_quantized(writer, path, index, t, handle, plan.quantization, start)
+                        path, index, start, quantize_it, scales_start = plan.sources[t.name]
+                        if quantize_it:
+                            write = _write_fp8 if plan.quantization.two_dimensional else _write_quantized
+                            n = write(writer, path, index, t, handle, plan.quantization, start, scales_start)
                             written += n
                             bar.update(n)
                             continue
@@ -209,7 +272,7 @@ def _copy(plan: _Plan, tensors: list[SourceTensor], kind: str, tmp: Path, progre
 
 
 def _write_quantized(writer: CheckpointWriter, path: str, index: int, tensor: SourceTensor, handle,
-                     quantization: Quantization, start: int = 0) -> int:
+                     quantization: Quantization, start: int = 0, scales_start: int = 0) -> int:
     """Quantize one source slice (or an expert's part of it, from element `start`) chunk by chunk into its `.codes`
     and `.scales` slices; returns bytes written.
 
@@ -230,6 +293,43 @@ def _write_quantized(writer: CheckpointWriter, path: str, index: int, tensor: So
         codes_out.write(memoryview(codes.reshape(-1)))
         scales_out.write(memoryview(scales.reshape(-1).view(np.uint8)))
     return codes_out.close() + scales_out.close()
+
+
+def _write_fp8(writer: CheckpointWriter, path: str, index: int, tensor: SourceTensor, handle,
+               quantization: Quantization, start: int = 0, scales_start: int = 0) -> int:
+    """As `_write_quantized`, in FP8's blocks of `block x block`: the tensor `[..., rows, cols]` streams a band of
+    `block` rows at a time (fewer for a matrix's last band), each band's codes and one row of scales contiguous."""
+    module = path.removesuffix(".weight")
+    *lead, rows, cols = tensor.shape
+    block = quantization.block
+    bands = [min(block, rows - r) for r in range(0, rows, block)] * int(np.prod(lead, dtype=np.int64))
+    scale_cols = -(-cols // block)
+    codes_out = writer.open_slice(module + ".codes", index, start, int(np.prod(tensor.shape)))
+    scales_out = writer.open_slice(module + ".scales", index, scales_start * 4, len(bands) * scale_cols * 4)
+    for band in _pieces(iter_chunks(tensor, handle), [n * cols for n in bands]):
+        try:
+            codes, scales = quantize(band.reshape(-1, cols), quantization)
+        except ValueError as e:
+            raise ConversionError(f"'{tensor.name}' in {tensor.file}: {e}") from None
+        codes_out.write(memoryview(codes.reshape(-1).view(np.uint8)))
+        scales_out.write(memoryview(scales.reshape(-1).view(np.uint8)))
+    return codes_out.close() + scales_out.close()
+
+
+def _pieces(chunks, sizes: list[int]):
+    """The elements of `chunks` again, as consecutive flat arrays of `sizes` elements."""
+    buffered, held = [], 0
+    sizes = iter(sizes)
+    size = next(sizes, None)
+    for chunk in chunks:
+        buffered.append(chunk.copy())  # the source may reuse its buffer
+        held += chunk.size
+        while size is not None and held >= size:
+            joined = np.concatenate(buffered) if len(buffered) > 1 else buffered[0]
+            yield joined[:size]
+            rest = joined[size:]
+            buffered, held = ([rest] if rest.size else []), rest.size
+            size = next(sizes, None)
 
 
 def _whole_blocks(chunks, block: int):

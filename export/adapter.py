@@ -91,19 +91,19 @@ def base_weights(converted_dir: str | Path) -> str:
 def export_merged(run_dir: str | Path, out: str | Path, *, step: int | None = None,
                   max_shard_size: int = 5 * 10**9, overwrite: bool = False,
                   merge_base: str | Path | None = None, base_model: str | None = None,
-                  note: Callable[[str], None] | None = None) -> tuple[Path, int]:
+                  note: Callable[[str], None] | None = None, dtype: str = "keep") -> tuple[Path, int]:
     """Write the run's base with the adapters of `step` folded in, as a HF checkpoint; returns (out, step).
     The base is the run's converted checkpoint or, for a quantized one, `merge_base`: its unquantized weights
     (a converted checkpoint or a HF checkpoint directory). An existing HF checkpoint at `out` is replaced only
     with `overwrite`. config.json's `_name_or_path` and a README.md card name the base (`base_reference`) and
-    the run."""
+    the run. `dtype` (`export.merge.MERGE_DTYPES`): keep each tensor's dtype (an FP8 base's FP8), or bfloat16."""
     _, target = check_export_targets(run_dir, merge=out, overwrite=overwrite, merge_base=merge_base)
     lora, config, step = load_run(run_dir, step)
     name, revision = base_reference(run_dir, base_model, note)
     lora_config = config.lora_config(run_model_config(run_dir))
     card = merged_card(name, revision, Path(run_dir).resolve(), step, lora_config)
     save_merged(target, merge_base_for(config.model, merge_base), lora, lora_config,
-                max_shard_size=max_shard_size, name_or_path=name, card=card)
+                max_shard_size=max_shard_size, name_or_path=name, card=card, dtype=dtype)
     return Path(out), step
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from export.merge import MERGE_DTYPES
 from jaxmodel.formats.peft_adapter import EXPERT_LAYOUTS, EXPORT_DTYPES
 
 
@@ -21,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --merge: the unquantized weights to merge into, for a run on a quantized base "
                              "(convert-llama --quantize): a converted unquantized checkpoint of the same model, or "
                              "the HF checkpoint directory (default: the run's base, if unquantized)")
+    parser.add_argument("--merge-dtype", default="keep", choices=list(MERGE_DTYPES),
+                        help="with --merge: keep each tensor's dtype (an FP8 base's projections FP8, in its blocks, "
+                             "requantized), or write every floating tensor as bfloat16")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard of --merge")
     parser.add_argument("--dtype", default="float32", choices=list(EXPORT_DTYPES),
                         help="dtype of the adapter tensors (PEFT itself saves float32)")
@@ -44,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --out ADAPTER_DIR, --merge OUT_DIR, or both")
     if args.merge_base and not args.merge:
         parser.error("--merge-base goes with --merge")
+    if args.merge_dtype != "keep" and not args.merge:
+        parser.error("--merge-dtype goes with --merge")
     from export.adapter import check_export_targets, export_adapter, export_merged
     from export.merge import parse_size
     from export.serving_limits import serving_warnings
@@ -71,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.merge:
             merged, step = export_merged(args.run, args.merge, step=args.step, max_shard_size=shard_size,
                                          overwrite=args.overwrite, merge_base=args.merge_base,
+                                         dtype=args.merge_dtype,
                                          base_model=args.base_model, note=note)
             into = f"--merge-base {args.merge_base}" if args.merge_base else "the run's base"
             print(f"merged the LoRA adapters of step {step} into {into} -> {merged}")

@@ -7,7 +7,9 @@ base (memory-mapped, or in bounded chunks), merged if adapted, and written at it
 The base is unquantized weights: the converted checkpoint a run trained on, or, for a run on a quantized
 base (`convert-llama --quantize`), the weights it was quantized from (`--merge-base`: a converted unquantized
 checkpoint or the HF checkpoint directory). Folding adapters into dequantized 4- or 8-bit weights would
-bake the quantization error into every merged weight.
+bake the quantization error into every merged weight. An FP8 base is the model itself (DeepSeek-V3 ships in FP8):
+its weights are dequantized, merged in float32, and written in FP8 again, in the same blocks by the same formula
+(`jaxmodel.quantization`), or, with `dtype` bfloat16, as bf16.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import re
 import shutil
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -33,6 +36,7 @@ from jaxmodel.formats.hf_names import names_of
 from jaxmodel.formats.io import pwrite_all
 from jaxmodel.formats.safetensors_file import write_header
 from jaxmodel.lora import LoraConfig, is_expert_projection, target_name
+from jaxmodel.quantization import FP8, Quantization, dequantize_numpy, quantize
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)B?", re.IGNORECASE)
 
 
@@ -65,6 +69,16 @@ class BaseTensor:
     dtype: np.dtype
     shape: tuple[int, ...]
     part: tuple[int, int, int] | None = None
+    written: np.dtype | None = None  # the dtype a merge writes it in (None: `dtype`)
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the base holds this weight in FP8 (its codes; `MergeBase.read` gives it dequantized)."""
+        return self.dtype == FP8
+
+    @property
+    def out_dtype(self) -> np.dtype:
+        return self.dtype if self.written is None else self.written
 
 
 class MergeBase:
@@ -80,16 +94,21 @@ class MergeBase:
                                  "export the adapter (without --merge) and serve it on the base")
         self.converted = (self.directory / MANIFEST).is_file()
         self._handles: dict[Path, object] = {}
+        self.fp8: Quantization | None = None  # the blocks of an FP8 base
         if self.converted:
             manifest = read_manifest(self.directory)
             quantization = checkpoint_quantization(manifest, self.directory / MANIFEST)
-            if quantization is not None:
+            if quantization is not None and not quantization.two_dimensional:
                 raise MergeBaseError(f"{self.directory}: quantized {quantization.scheme} (block {quantization.block}): "
                                      "a merge needs unquantized weights")
+            self.fp8 = quantization
             self._manifest = manifest["tensors"]
             names = names_of(self.config)
             tensors = []
-            for path, entry in self._manifest.items():
+            for stored, entry in self._manifest.items():
+                if stored.endswith(".scales"):
+                    continue  # read with their codes
+                path = stored.removesuffix(".codes") + ".weight" if stored.endswith(".codes") else stored
                 dtype = DTYPES_BY_NAME[entry["dtype"]]
                 if names.expert_tensors(path):  # written under the hub's per-expert names
                     tensors += _expert_tensors(names, path, dtype, tuple(entry["shape"]))
@@ -99,6 +118,10 @@ class MergeBase:
                 else:
                     tensors.append(BaseTensor(names.jax_to_hf(path), path, None, dtype, tuple(entry["shape"])))
         else:
+            if _quantization_config(self.directory) is not None:
+                raise MergeBaseError(f"{self.directory / 'config.json'}: 'quantization_config': a merge reads "
+                                     "unquantized HF weights (an FP8 checkpoint merges from its conversion: leave out "
+                                     "--merge-base)")
             self._kind, found = list_tensors(self.directory)
             self._sources = {t.name: t for t in found}
             tensors = self._hf_tensors(found)
@@ -109,7 +132,7 @@ class MergeBase:
         by_path = hf_tensors_by_param(self.config, found, self.directory, MergeBaseError)
         stacked = names_of(self.config).is_stacked
         return [BaseTensor(t.name, path, layer if stacked(path) else None, np.dtype(t.dtype), tuple(t.shape), part)
-                for path, layers in by_path.items() for layer, pieces in layers.items() for t, _, part in pieces]
+                for path, layers in by_path.items() for layer, pieces in layers.items() for t, _, part, _ in pieces]
 
     def check_matches(self, config: ModelConfig, what: str) -> None:
         """MergeBaseError unless this base has the shapes of `config` (`what` names where that comes from)."""
@@ -120,13 +143,15 @@ class MergeBase:
                                      "not the weights of that model")
 
     def read(self, tensor: BaseTensor) -> np.ndarray:
-        """The tensor's values as stored (its own dtype)."""
+        """The tensor's values as stored (its own dtype); an FP8 weight's dequantized, in float32."""
+        if self.converted and tensor.fp8:
+            module = tensor.path.removesuffix(".weight")
+            codes, scales = (self._stored(module + part, tensor, block) for part, block in
+                             ((".codes", 1), (".scales", self.fp8.block)))
+            return dequantize_numpy(codes, scales, self.fp8)
         if self.converted:
-            stored = open_tensor(self.directory, tensor.path, self._manifest[tensor.path])
-            if tensor.part is not None:
-                expert, first, rows = tensor.part
-                return np.asarray(stored[tensor.layer, expert, first:first + rows])
-            return np.asarray(stored[tensor.layer] if tensor.layer is not None else stored)
+            return self._stored(tensor.path, tensor)
+
         source = self._sources[tensor.name]
         if source.file not in self._handles:
             self._handles[source.file] = open_file(source.file, self._kind)
@@ -136,6 +161,14 @@ class MergeBase:
             values[done:done + chunk.size] = chunk
             done += chunk.size
         return values.reshape(source.shape)
+
+    def _stored(self, path: str, tensor: BaseTensor, block: int = 1) -> np.ndarray:
+        """`tensor`'s slice of the stored parameter `path`; an expert's part in rows of `block` (FP8 scales)."""
+        stored = open_tensor(self.directory, path, self._manifest[path])
+        if tensor.part is not None:
+            expert, first, rows = tensor.part
+            return np.asarray(stored[tensor.layer, expert, first // block:-(-(first + rows) // block)])
+        return np.asarray(stored[tensor.layer] if tensor.layer is not None else stored)
 
     def close(self) -> None:
         for handle in self._handles.values():
@@ -149,7 +182,7 @@ def merge_base_for(base_model: str | Path, merge_base: str | Path | None) -> Mer
     manifest = read_manifest(base_model)
     quantization = checkpoint_quantization(manifest, Path(base_model) / MANIFEST)
     if merge_base is None:
-        if quantization is not None:
+        if quantization is not None and not quantization.two_dimensional:  # an FP8 base is the model itself
             raise UsageError(f"--merge: the run's base {base_model} is quantized {quantization.scheme} (block "
                              f"{quantization.block}); merging needs its unquantized weights: add --merge-base DIR "
                              "(a converted unquantized checkpoint, or the HF checkpoint it was converted from)")
@@ -159,18 +192,26 @@ def merge_base_for(base_model: str | Path, merge_base: str | Path | None) -> Mer
     return base
 
 
+MERGE_DTYPES = ("keep", "bfloat16")
+
+
 def save_merged(out: str | Path, base: str | Path | MergeBase, lora: nnx.State, lora_config: LoraConfig, *,
-                max_shard_size: int = 5 * 10**9, name_or_path: str | None = None, card: str | None = None) -> Path:
+                max_shard_size: int = 5 * 10**9, name_or_path: str | None = None, card: str | None = None,
+                dtype: str = "keep") -> Path:
     """Write `base` (a MergeBase, or the directory of one) with the adapters folded in to `out` (atomically);
-    returns `out`. The merged tensors keep the base's names, dtypes and HF order. `name_or_path` is recorded as
-    config.json's `_name_or_path`; `card` is written as README.md."""
+    returns `out`. The merged tensors keep the base's names, dtypes (an FP8 base's FP8 weights FP8, with their
+    scales; `dtype` bfloat16: every floating tensor bf16) and HF order. `name_or_path` is recorded as config.json's
+    `_name_or_path`; `card` is written as README.md."""
     out = Path(out)
     base = base if isinstance(base, MergeBase) else MergeBase(base)
     adapters = {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(lora)}
+    fp8 = base.fp8 if dtype == "keep" else None
     shards: list[list[BaseTensor]] = [[]]
     size = 0
     for tensor in base.tensors:
-        nbytes = math.prod(tensor.shape) * tensor.dtype.itemsize
+        if dtype == "bfloat16" and (tensor.fp8 or np.issubdtype(tensor.dtype, np.floating)):
+            tensor = dataclasses.replace(tensor, written=np.dtype(ml_dtypes.bfloat16))
+        nbytes = math.prod(tensor.shape) * tensor.out_dtype.itemsize
         if shards[-1] and size + nbytes > max_shard_size:
             shards.append([])
             size = 0
@@ -183,17 +224,23 @@ def save_merged(out: str | Path, base: str | Path | MergeBase, lora: nnx.State, 
             for number, shard in enumerate(shards, 1):
                 file = "model.safetensors" if len(shards) == 1 else \
                     f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-                total += _write_shard(tmp / file, shard, base, adapters, lora_config)
-                weight_map.update({t.name: file for t in shard})
+                total += _write_shard(tmp / file, shard, base, adapters, lora_config, fp8)
+                weight_map.update({name: file for t in shard for name in _written(t)})
             if len(shards) > 1:
                 (tmp / "model.safetensors.index.json").write_text(json.dumps(
                     {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
             for name in AUX_FILES:
                 if (base.directory / name).is_file():
                     shutil.copyfile(base.directory / name, tmp / name)
-            if name_or_path is not None and (tmp / "config.json").is_file():
+            if (tmp / "config.json").is_file() and (name_or_path is not None or base.fp8 is not None):
                 config = json.loads((tmp / "config.json").read_text())
-                config["_name_or_path"] = name_or_path
+                if name_or_path is not None:
+                    config["_name_or_path"] = name_or_path
+                config.pop("quantization_config", None)
+                if fp8 is not None:  # kept, or added to a base `--quantize fp8` made
+                    config["quantization_config"] = _quantization_config(base.directory) or {
+                        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                        "weight_block_size": [fp8.block, fp8.block]}
                 (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             if card is not None:
                 (tmp / "README.md").write_text(card)
@@ -202,10 +249,19 @@ def save_merged(out: str | Path, base: str | Path | MergeBase, lora: nnx.State, 
     return out
 
 
-def _write_shard(file: Path, shard: list[BaseTensor], base: MergeBase, adapters, lora_config: LoraConfig) -> int:
+def _written(tensor: BaseTensor) -> tuple[str, ...]:
+    """The names a merged tensor is written under: an FP8 weight's and its scales'."""
+    return (tensor.name, tensor.name + "_scale_inv") if tensor.out_dtype == FP8 else (tensor.name,)
+
+
+def _write_shard(file: Path, shard: list[BaseTensor], base: MergeBase, adapters, lora_config: LoraConfig,
+                 fp8: Quantization | None = None) -> int:
     fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        locations = write_header(fd, [(t.name, t.dtype, t.shape) for t in shard], {"format": "pt"})
+        header = [(t.name, t.out_dtype, t.shape) for t in shard]
+        header += [(t.name + "_scale_inv", np.dtype(np.float32), fp8.shapes(t.shape)[1]) for t in shard
+                   if t.out_dtype == FP8]
+        locations = write_header(fd, sorted(header, key=lambda h: _hf_order(h[0])), {"format": "pt"})
         for tensor in shard:
             weight = base.read(tensor)
             module = tensor.path.rsplit(".", 1)[0]
@@ -221,7 +277,11 @@ def _write_shard(file: Path, shard: list[BaseTensor], base: MergeBase, adapters,
                     expert, first, rows = tensor.part
                     delta = b[expert, first:first + rows] @ a[expert]
                 scale = lora_config.scale_of(target_name(module))
-                weight = (weight.astype(np.float32) + scale * delta).astype(weight.dtype)
+                weight = weight.astype(np.float32) + scale * delta
+            if tensor.out_dtype == FP8:
+                weight, scales = quantize(weight, fp8)
+                pwrite_all(fd, scales.view(np.uint8).reshape(-1), locations[tensor.name + "_scale_inv"].offset)
+            weight = weight.astype(tensor.out_dtype)
             pwrite_all(fd, np.ascontiguousarray(weight).view(np.uint8).reshape(-1), locations[tensor.name].offset)
         os.fsync(fd)
         return sum(loc.nbytes for loc in locations.values())
@@ -235,6 +295,12 @@ def _expert_tensors(names, path: str, dtype, shape: tuple[int, ...]) -> list[Bas
     return [BaseTensor(names.expert_name(row, layer, expert), path, layer, dtype, (out // row.parts, cols),
                        (expert, row.part * out // row.parts, out // row.parts))
             for layer in range(layers) for expert in range(experts) for row in names.expert_tensors(path)]
+
+
+def _quantization_config(directory: Path) -> dict | None:
+    """The `quantization_config` of a directory's config.json, if any."""
+    found = json.loads((directory / "config.json").read_text()).get("quantization_config")
+    return found if isinstance(found, dict) or found is None else {"quant_method": found}
 
 
 def _hf_order(name: str) -> tuple:

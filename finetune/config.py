@@ -275,12 +275,13 @@ class TrainConfig:
                                          "to this JSON file",
                                    resume=Allowed("planning only"), plan_only=True)
     # plan-only: a quantized base is a property of the converted checkpoint a run trains on, never an option of the run
-    quantize: Literal["none", "nf4", "int8"] = option("none", "with --plan --model-config: plan a base quantized "
+    quantize: Literal["none", "nf4", "int8", "fp8"] = option("none", "with --plan --model-config: plan a base quantized "
                                                               "this way (convert-llama --quantize); a quantized "
                                                               "--model says so itself",
                                                       resume=Allowed("planning only"), plan_only=True)
-    quant_block: int = option(64, "with --plan --quantize: values per scale (convert-llama --quant-block)",
-                              resume=Allowed("planning only"), plan_only=True)
+    quant_block: int | None = option(None, "with --plan --quantize: values per scale, or fp8's square blocks' side "
+                                           "(convert-llama --quant-block; default 64, fp8 128)",
+                                     resume=Allowed("planning only"), plan_only=True)
     show_sharding: bool = option(False, "print each parameter's sharding and per-device bytes, then continue",
                                  resume=Allowed("display only"), plan_only=True)
 

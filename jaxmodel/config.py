@@ -143,6 +143,9 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    # Layers a checkpoint holds past num_hidden_layers, not part of the model (DeepSeek-V3's multi-token prediction,
+    # num_nextn_predict_layers; transformers does not load them either): the converter skips their tensors.
+    prediction_layers: int = 0
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:

@@ -141,13 +141,18 @@ def frozen_weight(shape, axes, param_dtype, quantization: Quantization | None, r
 def _random_quantized(quantization: Quantization, shape, axes, rngs: nnx.Rngs):
     """Codes drawn uniformly and absmax INIT_STD: a random model (tests, shapes); real ones are converted."""
     codes_shape, scales_shape = quantization.shapes(shape)
+    scales = jnp.full(scales_shape, INIT_STD, jnp.float32)
+    if quantization.two_dimensional:  # codes of a standard normal: weights of deviation INIT_STD
+        codes = jax.random.normal(rngs.params(), codes_shape, jnp.float32).astype(quantization.codes_dtype)
+        codes_units, scales_units = quantization.split_units(shape)
+        return (QuantizedParam(codes, axes=axes, split_units=codes_units),
+                QuantizedParam(scales, axes=axes, split_units=scales_units))
     if quantization.scheme == "nf4":
         codes = jax.random.randint(rngs.params(), codes_shape, 0, 256, jnp.int32).astype(jnp.uint8)
     else:
         codes = jax.random.randint(rngs.params(), codes_shape, -127, 128, jnp.int32).astype(jnp.int8)
     # blocks get their own axis, unsplit: a split of the input dimension then cuts at whole blocks
-    return (QuantizedParam(codes, axes=(*axes, None)),
-            QuantizedParam(jnp.full(scales_shape, INIT_STD, jnp.float32), axes=axes))
+    return QuantizedParam(codes, axes=(*axes, None)), QuantizedParam(scales, axes=axes)
 
 
 class Embed(nnx.Module):

@@ -16,7 +16,7 @@ from jaxmodel.formats.checkpoint import (DTYPES_BY_NAME, MANIFEST, CheckpointErr
                                         open_tensor, read_manifest)
 from jaxmodel.layers import QuantizedParam
 from jaxmodel.model import CausalLM
-from jaxmodel.sharding import DEFAULT_RULES, Rules, named_sharding
+from jaxmodel.sharding import DEFAULT_RULES, Rules, variable_sharding
 
 
 def load_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None, dtype=None, param_dtype=None,
@@ -60,7 +60,7 @@ def load_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None, 
         keep = param_dtype is None or isinstance(var, QuantizedParam)
         target = stored_array.dtype if keep else np.dtype(param_dtype)
         var.set_value(_place(stored_array, target, None if mesh is None else
-                           named_sharding(var.get_metadata()["axes"], var.shape, mesh, rules)))
+                           variable_sharding(var, mesh, rules)))
     return abstract
 
 

@@ -44,15 +44,17 @@ DEFAULT_RULES: Rules = (
 
 
 def partition_spec(axes: Sequence[str | tuple[str, ...] | None], shape: Sequence[int], mesh: Mesh,
-                   rules: Rules = DEFAULT_RULES) -> PartitionSpec:
+                   rules: Rules = DEFAULT_RULES, split_units: Sequence[int | None] | None = None) -> PartitionSpec:
     """The PartitionSpec for a parameter with logical `axes`. A dimension may name several logical axes:
     it is split over all their mesh axes that no earlier dimension took. Mesh axes of size 1 are left out
     (a spec names only real splits). A dimension that its mesh axes do not divide evenly stays unsplit
-    (tiny test models; LoRA ranks below the fsdp size)."""
+    (tiny test models; LoRA ranks below the fsdp size), as does one whose `split_units` entry (a parameter's
+    metadata: FP8 codes and scales, `jaxmodel.quantization`) does not divide each part, or is None."""
     table = dict(rules)
     spec = []
     used: set[str] = set()
-    for name, size in zip(axes, shape):
+    units = split_units or (1,) * len(shape)
+    for name, size, unit in zip(axes, shape, units):
         mesh_axes: list[str] = []
         for logical in (name,) if isinstance(name, str) or name is None else name:
             found = table.get(logical) if logical is not None else None
@@ -61,7 +63,7 @@ def partition_spec(axes: Sequence[str | tuple[str, ...] | None], shape: Sequence
         ways = 1
         for a in mesh_axes:
             ways *= mesh.shape[a]
-        if not mesh_axes or ways == 1 or size % ways:
+        if not mesh_axes or ways == 1 or unit is None or size % (ways * unit):
             spec.append(None)
             continue
         used.update(mesh_axes)
@@ -87,8 +89,15 @@ def split_ways(logical: str, size: int, rules: Rules = DEFAULT_RULES) -> int:
     return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))
 
 
-def named_sharding(axes, shape, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
-    return NamedSharding(mesh, partition_spec(axes, shape, mesh, rules))
+def named_sharding(axes, shape, mesh: Mesh, rules: Rules = DEFAULT_RULES, split_units=None) -> NamedSharding:
+    return NamedSharding(mesh, partition_spec(axes, shape, mesh, rules, split_units))
+
+
+def variable_sharding(var, mesh: Mesh, rules: Rules = DEFAULT_RULES, shape=None) -> NamedSharding:
+    """How a parameter (an `nnx.Variable` with `axes` and maybe `split_units` metadata) lies on `mesh`."""
+    metadata = var.get_metadata()
+    return named_sharding(metadata["axes"], var.shape if shape is None else shape, mesh, rules,
+                          metadata.get("split_units"))
 
 
 def batch_mesh_axes(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> tuple[str, ...]:

@@ -135,3 +135,82 @@ def test_merge_base_of_another_model_or_quantized_is_one_line(tmp_path, nf4_run,
     with pytest.raises(SystemExit):
         export_main(["--run", str(nf4_run), "--out", str(tmp_path / "a"), "--merge-base", str(converted / "bf16")])
     assert "--merge-base goes with --merge" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def fp8_run(tiny_checkpoint, tmp_path_factory):
+    """A run on the tiny checkpoint converted with `--quantize fp8` in blocks of 16 (partial ones: hidden 64 is 4,
+    its 96 MLP rows 6, its 32-wide k/v rows 2)."""
+    root = tmp_path_factory.mktemp("fp8")
+    convert(tiny_checkpoint, root / "fp8", quantize="fp8", quant_block=16, progress=False)
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"add {i} + {i} =", "completion": f" {2 * i}"}) + "\n"
+                            for i in range(32)))
+    run_training(TrainConfig(model=str(root / "fp8"), data=str(data), out=str(root / "run"), steps=4, batch_size=8,
+                             seq_len=32, dtype="float32", lr=1e-2, progress=False).validate())
+    return root / "run", root / "fp8"
+
+
+def peft_merged_weights(fp8_dir, adapter_dir) -> dict[str, np.ndarray]:
+    """transformers' Llama on the FP8 base's weights dequantized by hand (torch), the exported adapter merged into
+    it by PEFT's merge_and_unload, in float32: the merge a merged checkpoint must hold."""
+    from peft import PeftModel
+
+    from jaxmodel.formats.hf_names import names_of
+    from jaxmodel import ModelConfig
+    from test_fp8 import stored
+
+    from transformers import LlamaConfig
+
+    names = names_of(ModelConfig.from_hf(fp8_dir))
+    model = HFLlamaForCausalLM(LlamaConfig.from_pretrained(fp8_dir)).float()
+    state = model.state_dict()
+    for name in state:
+        path, layer = names.hf_to_jax(name)
+        if not path.endswith("proj.weight"):
+            value = stored(fp8_dir, path)
+            state[name] = torch.from_numpy(value if layer is None else value[layer]).float()
+            continue
+        module = path.removesuffix(".weight")
+        codes, scales = stored(fp8_dir, module + ".codes")[layer], stored(fp8_dir, module + ".scales")[layer]
+        scale = torch.from_numpy(scales).repeat_interleave(16, 0).repeat_interleave(16, 1)
+        rows, cols = codes.shape
+        state[name] = torch.from_numpy(codes.view(np.uint8)).view(torch.float8_e4m3fn).float() * scale[:rows, :cols]
+    model.load_state_dict(state)
+    merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+    return {k: v.numpy() for k, v in merged.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_merge_of_an_fp8_run_is_peft_merge_requantized_or_in_bf16(tmp_path, fp8_run, capsys):
+    """No --merge-base: the FP8 base is the model. Kept in FP8, each merged projection is transformers' quantizer's
+    FP8 of PEFT's merge (its scales too, config.json's quantization_config added); --merge-dtype bfloat16 is that
+    merge rounded to bf16. transformers reads both."""
+    from safetensors.torch import load_file
+
+    from test_fp8 import transformers_fp8
+
+    run, fp8_dir = fp8_run
+    assert export_main(["--run", str(run), "--out", str(tmp_path / "adapter"), "--merge", str(tmp_path / "fp8")]) == 0
+    assert export_main(["--run", str(run), "--merge", str(tmp_path / "bf16"), "--merge-dtype", "bfloat16"]) == 0
+    want = peft_merged_weights(fp8_dir, tmp_path / "adapter")
+    fp8, bf16 = load_file(tmp_path / "fp8" / "model.safetensors"), load_file(tmp_path / "bf16" / "model.safetensors")
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                             "weight_block_size": [16, 16]}
+    assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
+    projections = [name for name in want if name.endswith("proj.weight")]
+    assert len(projections) == 7 * 2 and set(fp8) == set(want) | {n + "_scale_inv" for n in projections}
+    for name in projections:
+        codes, scales = transformers_fp8(want[name], 16)
+        assert fp8[name].dtype == torch.float8_e4m3fn
+        np.testing.assert_array_equal(fp8[name].view(torch.uint8).numpy(), codes, err_msg=name)
+        np.testing.assert_array_equal(fp8[name + "_scale_inv"].numpy(), scales, err_msg=name)
+    for name, value in want.items():
+        expected = torch.from_numpy(value).to(torch.bfloat16).view(torch.int16).numpy()
+        np.testing.assert_array_equal(bf16[name].view(torch.int16).numpy(), expected, err_msg=name)
+    # transformers reads the FP8 one (on a CPU it dequantizes to bf16) and the bf16 one
+    for merged in ("fp8", "bf16"):
+        model = HFLlamaForCausalLM.from_pretrained(tmp_path / merged).eval()
+        with torch.no_grad():
+            assert torch.isfinite(model(torch.tensor(IDS)).logits).all()

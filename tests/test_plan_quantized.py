@@ -34,11 +34,12 @@ def weight_bytes_per_device(c: dict, scheme: str | None, block: int = 64, fsdp: 
     q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
     projections = [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q), (inter, hidden), (inter, hidden),
                    (hidden, inter)]
-    code_bytes = {"nf4": 0.5, "int8": 1.0}
+    code_bytes = {"nf4": 0.5, "int8": 1.0, "fp8": 1.0}
     per_layer = 0.0
     for out_features, in_features in projections:
         values = out_features * in_features
-        per_layer += 2 * values if scheme is None else values * code_bytes[scheme] + values // block * 4
+        scales = (out_features // block) * (in_features // block) if scheme == "fp8" else values // block  # fp8: 2-D
+        per_layer += 2 * values if scheme is None else values * code_bytes[scheme] + scales * 4
     split = c["num_hidden_layers"] * per_layer + 2 * 2 * c["vocab_size"] * hidden
     norms = 2 * (2 * c["num_hidden_layers"] + 1) * hidden
     return split / fsdp + norms
@@ -51,17 +52,21 @@ def planned(path, **kw):
 
 @pytest.mark.slow
 def test_plan_weights_are_the_codes_and_scales_and_a_quantized_plan_is_smaller(small_config):
-    reports = {scheme: planned(small_config, quantize=scheme) for scheme in ("none", "nf4", "int8")}
+    blocks = {"none": 64, "nf4": 64, "int8": 64, "fp8": 32}  # fp8's 32 x 32: 8 blocks of the hidden 256 over fsdp=4
+    reports = {scheme: planned(small_config, quantize=scheme, quant_block=None if scheme != "fp8" else 32)
+               for scheme in blocks}
     for scheme, report in reports.items():
-        assert report.weights == weight_bytes_per_device(SMALL, None if scheme == "none" else scheme), scheme
-    # nf4: 0.5 B per value + 4 B per 64 values = 0.5625 B; int8: 1.0625 B; bf16: 2 B
-    assert reports["nf4"].weights < reports["int8"].weights < reports["none"].weights
+        assert report.weights == weight_bytes_per_device(SMALL, None if scheme == "none" else scheme,
+                                                         blocks[scheme]), scheme
+    # nf4: 0.5 B per value + 4 B per 64 values = 0.5625 B; int8: 1.0625 B; fp8: 1 B + 4 B per 1024 values; bf16: 2 B
+    assert reports["nf4"].weights < reports["fp8"].weights < reports["int8"].weights < reports["none"].weights
     assert reports["nf4"].total < reports["int8"].total < reports["none"].total
     # the same model either way: LoRA, optimizer state and batch do not change, nor the parameter count
     assert len({r.lora_and_optimizer for r in reports.values()}) == 1
     assert len({r.batch for r in reports.values()}) == 1
     assert len({r.frozen_parameters for r in reports.values()}) == 1
     assert "frozen projections nf4 in blocks of 64 (--quantize)" in str(reports["nf4"])
+    assert "frozen projections fp8 in blocks of 32 x 32 (--quantize)" in str(reports["fp8"])
     assert "quantized" not in str(reports["none"]) and "nf4" not in str(reports["none"])
 
 

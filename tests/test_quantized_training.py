@@ -46,11 +46,11 @@ def quantized_names(model) -> set[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme, block", [("nf4", 64), ("int8", 16)])
+@pytest.mark.parametrize("scheme, block", [("nf4", 64), ("int8", 16), ("fp8", 16)])
 def test_only_lora_trains_and_the_codes_and_scales_stay_bit_identical(tmp_path, tiny_checkpoint, nf4_converted,
                                                                     data_file, scheme, block):
-    model_dir = nf4_converted if scheme == "nf4" else tmp_path / "int8"
-    if scheme == "int8":
+    model_dir = nf4_converted if scheme == "nf4" else tmp_path / scheme
+    if scheme != "nf4":
         convert(tiny_checkpoint, model_dir, quantize=scheme, quant_block=block, progress=False)
     run = setup(config(model_dir, data_file, tmp_path / "run", steps=20, lr=1e-2, schedule="constant",
                        param_dtype="bfloat16"))
@@ -60,7 +60,7 @@ def test_only_lora_trains_and_the_codes_and_scales_stay_bit_identical(tmp_path, 
     assert len(quantized) == 14 and quantized <= set(base_before)  # codes + scales of seven projections
     assert all(k.endswith(("lora_a", "lora_b")) for k in lora_before) and len(lora_before) == 14
     # codes and scales are loaded as stored, whatever --param-dtype does to the other frozen weights
-    stored_codes = "uint8" if scheme == "nf4" else "int8"
+    stored_codes = {"nf4": "uint8", "int8": "int8", "fp8": "float8_e4m3fn"}[scheme]
     assert {base_before[k].dtype.name for k in quantized} == {stored_codes, "float32"}
     assert base_before["embed_tokens.weight"].dtype.name == "bfloat16"
     state, losses = run.state, []
@@ -100,6 +100,20 @@ def test_same_loss_and_grads_on_every_mesh(tmp_path, nf4_converted, data_file, r
     """As for an unquantized base (tests/test_finetune.py), to the same tolerance."""
     loss, tokens, grads = grads_on(nf4_converted, data_file, tmp_path, mesh, jax.devices())
     ref_loss, ref_tokens, ref_grads = reference_grads
+    assert tokens == ref_tokens and abs(loss - ref_loss) <= 1e-5
+    for name, g in grads.items():
+        np.testing.assert_allclose(g, ref_grads[name], atol=1e-5, rtol=0, err_msg=name)
+
+
+@pytest.mark.slow
+def test_fp8_codes_split_at_whole_blocks_give_the_one_device_loss_and_grads(tmp_path, tiny_checkpoint, data_file):
+    fp8 = tmp_path / "fp8"
+    convert(tiny_checkpoint, fp8, quantize="fp8", quant_block=8, progress=False)
+    run = setup(config(fp8, data_file, tmp_path / "probe", mesh="dp=2,fsdp=2,mp=2"), devices=jax.devices())
+    split = [v.sharding.spec for p, v in nnx.to_flat_state(run.base) if p[-1] == "codes"]
+    assert any(any(axis is not None for axis in spec) for spec in split)  # some codes do lie split
+    loss, tokens, grads = grads_on(fp8, data_file, tmp_path / "mesh", "dp=2,fsdp=2,mp=2", jax.devices())
+    ref_loss, ref_tokens, ref_grads = grads_on(fp8, data_file, tmp_path / "one", "dp=1,fsdp=1,mp=1", jax.devices()[:1])
     assert tokens == ref_tokens and abs(loss - ref_loss) <= 1e-5
     for name, g in grads.items():
         np.testing.assert_allclose(g, ref_grads[name], atol=1e-5, rtol=0, err_msg=name)

@@ -155,8 +155,7 @@ def frozen_bytes(config: TrainConfig, llama: ModelConfig) -> tuple[float, float]
     shapes = layer_shapes(llama)
     quantization, _ = plan_quantization(config)
     dtype_bytes = jnp.dtype(param_dtype(config)).itemsize
-    per_value = dtype_bytes if quantization is None else \
-        (quantization.codes_per_block + 4) / quantization.block  # the codes and a float32 scale a block
+    per_value = dtype_bytes if quantization is None else quantization.bytes_per_value
     attention = sum(math.prod(shapes[name]) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
     dense_mlp = sum(math.prod(shapes[name]) for name in ("gate_proj", "up_proj", "down_proj"))
     router = llama.hidden_size * llama.num_experts

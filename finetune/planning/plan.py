@@ -43,7 +43,7 @@ from jaxmodel import scopes
 from jaxmodel.model import CausalLM
 from jaxmodel.moe import balanced_block_share, expert_axes
 from jaxmodel.quantization import Quantization
-from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, batch_ways, named_sharding
+from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, batch_ways, variable_sharding
 
 GB = 1e9
 # Added to the compiler's temporaries: above the largest shortfall of the compiler's total against the measured
@@ -153,14 +153,16 @@ def frozen_parameter_count(base, quantization: Quantization | None) -> int:
     for path, var in nnx.to_flat_state(base):
         if not isinstance(var, QuantizedParam):
             count += math.prod(var.shape)
-        elif path[-1] == "scales":  # one scale per block of `block` values
+        elif quantization.two_dimensional and path[-1] == "codes":  # one code per value
+            count += math.prod(var.shape)
+        elif not quantization.two_dimensional and path[-1] == "scales":  # one scale per block of `block` values
             count += math.prod(var.shape) * quantization.block
     return count
 
 
 def _abstract_on(tree, mesh, rules):
     def lay(var):
-        sharding = named_sharding(var.get_metadata()["axes"], var.shape, mesh, rules)
+        sharding = variable_sharding(var, mesh, rules)
         var.set_value(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=sharding))
         return var
     return jax.tree.map(lay, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -222,7 +224,8 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
     lines = [f"model: {source} ({frozen / 1e9:.1f}B frozen parameters, "
              f"{sum(math.prod(x.shape) for x in jax.tree.leaves(trees['lora'])) / 1e6:.1f}M LoRA parameters)"]
     if quantization is not None:
-        lines.append(f"frozen projections {quantization.scheme} in blocks of {quantization.block} "
+        square = f" x {quantization.block}" if quantization.two_dimensional else ""
+        lines.append(f"frozen projections {quantization.scheme} in blocks of {quantization.block}{square} "
                      f"({quantization_source}): codes and float32 scales, dequantized layer by layer")
     lines += [f"batch {config.batch_size} x seq {config.seq_len}, grad accumulation {config.grad_accum}, "
               f"dtype {config.dtype}, remat {config.remat}, attention {_attention_line(config, mesh.shape['cp'])}, "

@@ -28,7 +28,7 @@ from jaxmodel.formats.checkpoint import read_manifest
 from jaxmodel.formats.peft_adapter import load_peft_adapter, read_adapter, unservable_message, unservable_targets
 from jaxmodel.lora import apply_lora
 from jaxmodel.pretrained import load_pretrained
-from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, batch_ways, named_sharding
+from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, batch_ways, variable_sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,7 @@ def _place(tree, mesh, rules):
     """Put every LoRA variable onto the sharding its logical axes give (same values on every process)."""
     def place(var):
         value = np.asarray(var[...])
-        sharding = named_sharding(var.get_metadata()["axes"], value.shape, mesh, rules)
+        sharding = variable_sharding(var, mesh, rules, value.shape)
         var.set_value(jax.make_array_from_callback(value.shape, sharding, lambda i: value[i]))
         return var
     return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -47,7 +47,7 @@ def _read(fields) -> dict:
                     "qk_nope_head_dim", 128), v_head_dim=fields.positive("v_head_dim", 128),
                 q_lora_rank=q_lora_rank or 0, kv_lora_rank=fields.positive("kv_lora_rank", 512),
                 rope_interleave=fields.get("rope_interleave", bool, True), qkv_bias=bias, o_bias=bias, mlp_bias=False,
-                **experts)
+                prediction_layers=fields.get("num_nextn_predict_layers", int, 1), **experts)
 
 
 def _write(config) -> dict:
@@ -56,7 +56,8 @@ def _write(config) -> dict:
     return {"attention_bias": config.qkv_bias, "q_lora_rank": config.q_lora_rank or None,
             "kv_lora_rank": config.kv_lora_rank, "qk_nope_head_dim": config.qk_nope_head_dim,
             "qk_rope_head_dim": config.head_dim, "v_head_dim": config.v_head_dim,
-            "rope_interleave": config.rope_interleave, **_write_experts(config)}
+            "rope_interleave": config.rope_interleave, "num_nextn_predict_layers": config.prediction_layers,
+            **_write_experts(config)}
 
 
 def _write_experts(config) -> dict:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Mapping, NamedTuple
 
@@ -37,8 +38,9 @@ from jaxmodel.errors import UserError
 from jaxmodel.formats.io import ShortFileError, crc32_of_range, read_json
 from jaxmodel.formats.safetensors_file import DTYPES, SafetensorsError, TensorLocation, read_header
 from jaxmodel.model import CausalLM
-from jaxmodel.quantization import Quantization
+from jaxmodel.quantization import FP8, Quantization
 
+FP8_DTYPE = FP8
 MANIFEST = "jax_checkpoint.json"
 FORMAT = "jaxmodel-safetensors"
 FORMAT_VERSION = 1  # unquantized
@@ -64,29 +66,46 @@ def param_specs(config: ModelConfig, param_dtype=jnp.float32,
 class Piece(NamedTuple):
     """A HF tensor (`hf_checkpoint.SourceTensor`) and where its values start in its slice, in elements: 0 for a
     tensor that is the whole slice, an expert's part's first element for an expert's tensor, whose `part` is then
-    (expert, first row, rows) of the slice's `[e, out, in]`."""
+    (expert, first row, rows) of the slice's `[e, out, in]`. An FP8 tensor's `scales` are its `weight_scale_inv`
+    tensor and their first element in the slice of the parameter's `.scales` (`jaxmodel.quantization`)."""
 
     tensor: object
     offset: int
     part: tuple[int, int, int] | None = None
+    scales: tuple[object, int] | None = None
 
 
-def hf_tensors_by_param(config: ModelConfig, tensors, source_dir: Path, error: type[Exception]) -> dict[str, dict]:
+FP8_SCALES = "weight_scale_inv"  # the hub's name of an FP8 weight's block scales, beside `weight`
+
+
+def hf_tensors_by_param(config: ModelConfig, tensors, source_dir: Path, error: type[Exception],
+                        fp8_block: int | None = None) -> dict[str, dict]:
     """An HF checkpoint's tensors by NNX path and slice (0 for an unstacked parameter), each slice's `Piece`s in
     order, checked against `config`: every tensor a parameter (or an expert's part) of its shape (known extras such
-    as rotary caches and a multimodal model's vision tower skipped, a tied model's stored head dropped) and every
-    slice filled exactly once, by one tensor or by each of its experts' parts; `error(message)` else."""
+    as rotary caches, a multimodal model's vision tower and the layers past the model's that predict further tokens
+    skipped, a tied model's stored head dropped) and every slice filled exactly once, by one tensor or by each of its
+    experts' parts; `error(message)` else. With `fp8_block`, an FP8 checkpoint's: each FP8 weight with its scales
+    (blocks of `fp8_block` squared), in its piece."""
     from jaxmodel.formats.hf_names import IGNORED, names_of
 
     expected = param_specs(config)
     names = names_of(config)
     by_path: dict[str, dict[int, list[Piece]]] = {}
+    scales: dict[str, object] = {}  # weight name -> its scales tensor
     for t in tensors:
+        if config.prediction_layers and in_prediction_layer(config, t.name):
+            continue
         found = names.locate(t.name)
         if found is None:
             if IGNORED.fullmatch(t.name) or names.is_other(t.name):
                 continue
             raise error(f"{t.file}: unexpected tensor '{t.name}' (not part of a {config.model_type} checkpoint)")
+        if found.path.endswith("." + FP8_SCALES):
+            if fp8_block is None:
+                raise error(f"{t.file}: tensor '{t.name}' holds FP8 scales, but config.json has no fp8 "
+                            "'quantization_config'")
+            scales[t.name.removesuffix("_scale_inv")] = t
+            continue
         path, layer = found.path, found.layer
         if path not in expected:
             if path == "lm_head.weight" and config.tie_word_embeddings:
@@ -107,6 +126,8 @@ def hf_tensors_by_param(config: ModelConfig, tensors, source_dir: Path, error: t
         if tuple(t.shape) != tuple(slice_shape):
             raise error(f"{t.file}: tensor '{t.name}' has shape {list(t.shape)}, config.json implies {list(slice_shape)}")
         by_path.setdefault(path, {}).setdefault(layer or 0, []).append(Piece(t, offset, part))
+    if fp8_block is not None:
+        _pair_fp8_scales(by_path, scales, expected, fp8_block, source_dir, error)
     for path, (shape, _) in expected.items():
         stacked = names.is_stacked(path)
         for index in range(shape[0] if stacked else 1):
@@ -128,6 +149,53 @@ def hf_tensors_by_param(config: ModelConfig, tensors, source_dir: Path, error: t
                             "which config.json implies")
             by_path[path][index] = pieces
     return by_path
+
+
+def in_prediction_layer(config: ModelConfig, name: str) -> bool:
+    """Whether tensor `name` belongs to a layer past the model's last (DeepSeek-V3's multi-token prediction, which
+    transformers does not load either)."""
+    found = re.match(r"model\.layers\.(\d+)\.", name)
+    return found is not None and 0 <= int(found[1]) - config.num_hidden_layers < config.prediction_layers
+
+
+def _pair_fp8_scales(by_path: dict, scales: dict, expected: dict, block: int, source_dir: Path,
+                     error: type[Exception]) -> None:
+    """Give each FP8 weight's piece its scales (`Piece.scales`), checked: shaped as its blocks, whole blocks of an
+    expert's part; `error(message)` for FP8 weights without scales and scales without an FP8 weight."""
+    for path, layers in by_path.items():
+        for index, pieces in layers.items():
+            for k, piece in enumerate(pieces):
+                t = piece.tensor
+                found = scales.pop(t.name, None)
+                if t.dtype != FP8_DTYPE:
+                    if found is not None:
+                        raise error(f"{found.file}: tensor '{found.name}' holds FP8 scales of '{t.name}', which is "
+                                    f"{t.dtype}, not FP8")
+                    continue
+                if found is None:
+                    raise error(f"{source_dir}: missing tensor '{t.name}_scale_inv', the scales of FP8 '{t.name}'")
+                *_, rows, cols = t.shape
+                want = (-(-rows // block), -(-cols // block))
+                if tuple(found.shape) != want:
+                    raise error(f"{found.file}: tensor '{found.name}' has shape {list(found.shape)}; '{t.name}' "
+                                f"{list(t.shape)} in blocks of {block} x {block} implies {list(want)}")
+                pieces[k] = piece._replace(scales=(found, fp8_scales_offset(piece, expected[path][0], block, error)))
+    for name, t in scales.items():
+        raise error(f"{t.file}: tensor '{t.name}' holds FP8 scales of '{name}', which the checkpoint lacks")
+
+
+def fp8_scales_offset(piece: Piece, shape, block: int, error: type[Exception]) -> int:
+    """Where `piece`'s FP8 scales start in its slice of the parameter's `.scales` (the parameter `shape`), in elements;
+    `error(message)` for a part of an expert's fused weight that is not whole blocks (its blocks would straddle the
+    parts)."""
+    if piece.part is None:
+        return 0
+    expert, first, rows = piece.part
+    slice_rows, cols = shape[-2:]
+    if rows % block and rows != slice_rows:
+        raise error(f"{piece.tensor.file}: tensor '{piece.tensor.name}' is {rows} rows of a fused expert weight, "
+                    f"not whole FP8 blocks of {block}: its scales cannot be stacked")
+    return (expert * -(-slice_rows // block) + first // block) * -(-cols // block)
 
 
 def _missing_part(names, path: str, index: int, shape, pieces: list[Piece]) -> str:

@@ -14,6 +14,7 @@ already in rotate-half order, so a tensor is copied as it is into its slice (an 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from typing import NamedTuple
@@ -21,7 +22,8 @@ from typing import NamedTuple
 from jaxmodel.families import FAMILIES
 from jaxmodel.families.family import ExpertTensor
 
-PARAMS = ("weight", "bias", "e_score_correction_bias")  # the last: DeepSeek-V3's router's selection bias
+# DeepSeek-V3's router's selection bias; an FP8 checkpoint's scales of `weight`
+PARAMS = ("weight", "bias", "e_score_correction_bias", "weight_scale_inv")
 STACKS = {False: "layers", True: "moe_layers"}  # the JAX stack of each kind of layer (sparse: experts)
 
 # Tensors some checkpoints carry that the model recomputes (older transformers saved the RoPE buffer).
@@ -61,8 +63,10 @@ class NameTable:
                 rows.append((hf, jax))
         rows = [(hf, jax) for hf, jax in rows if jax.split(".", 1)[0] in self._stacks or "{i}" not in hf]
         self._by_hf = [(_pattern(hf + ".", PARAMS), jax, None) for hf, jax in rows]
-        self._by_hf += [(_pattern(t.hf), t.jax.rsplit(".", 1)[0], t) for t in experts
-                        if t.jax.split(".", 1)[0] in self._stacks]
+        for suffix in ("", "_scale_inv"):  # an expert's weight, and its FP8 scales
+            self._by_hf += [(_pattern(t.hf + suffix), t.jax.rsplit(".", 1)[0],
+                             dataclasses.replace(t, jax=t.jax + suffix))
+                            for t in experts if t.jax.split(".", 1)[0] in self._stacks]
         self._by_jax: dict[str, str] = {}
         for hf, jax in rows:
             if (hf, jax) not in runtime_modules:

@@ -25,6 +25,8 @@ DTYPES: dict[str, np.dtype] = {
     "F32": np.dtype(np.float32),
     "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),  # FP8 checkpoints' weights
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),  # and power-of-two scales, where stored as such
     "I64": np.dtype(np.int64),
     "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16),
