@@ -312,12 +312,15 @@ class TrainConfig:
                           alpha_pattern=_pattern(self.alpha_pattern, "alpha", float))
 
     def adapted(self, model=None) -> tuple[str, ...]:
-        """The targets for the base `model`: `--targets` as given, or, when left at the default on a model with
-        experts, the attention projections and the experts (a dense MLP's adapter on such a class is one PEFT
-        cannot serve: `jaxmodel.families.Family.unservable_targets`)."""
-        if self.targets == DEFAULT_TARGETS and model is not None and model.num_experts:
-            return MOE_DEFAULT_TARGETS
-        return self.target_modules
+        """The targets for the base `model`: `--targets` as given, or, when left at the default, the model's
+        attention projections (multi-head latent attention's own) and its MLP's, on a model with experts its routed
+        experts instead (a dense MLP's adapter on such a class is one PEFT cannot serve:
+        `jaxmodel.families.Family.unservable_targets`)."""
+        if self.targets != DEFAULT_TARGETS or model is None:
+            return self.target_modules
+        from jaxmodel.lora import EXPERT_TARGETS, MLP_TARGETS, attention_targets
+
+        return attention_targets(model) + (EXPERT_TARGETS if model.num_experts else MLP_TARGETS)
 
     def validate(self) -> "TrainConfig":
         """Raise ConfigFileError for values that cannot work, naming the option and what it accepts."""

@@ -30,7 +30,10 @@ from jaxmodel.layers import Linear, LoRAParam
 from jaxmodel.model import CausalLM
 from jaxmodel.moe import GroupedLinear
 
-ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj") + MLP_TARGETS
+# multi-head latent attention's projections beside q_proj (when it has no query bottleneck) and o_proj (DeepSeek-V3)
+LATENT_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 # the routed experts' fused projections, by their module path's last two names
 EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
 ROUTER_TARGET = "gate"  # a sparse layer's router
@@ -66,7 +69,7 @@ class LoraConfig:
                     raise ValueError(f"LoRA {name} gives {target!r} {value!r}: expected a positive "
                                      f"{'integer' if kind is int else 'number'}")
             object.__setattr__(self, name, tuple((target, kind(value)) for target, value in pairs))
-        known = ALL_TARGETS + ("lm_head",) + PARAMETER_TARGETS
+        known = ALL_TARGETS + LATENT_TARGETS + ("lm_head",) + PARAMETER_TARGETS
         unknown = sorted(set(self.targets) - set(known))
         if unknown or not self.targets:
             raise ValueError(f"LoRA targets {unknown or '(none)'}: expected names from {', '.join(known)}")
@@ -98,6 +101,14 @@ class LoraConfig:
         return max(self.rank_of(t) for t in self.targets)
 
 
+def attention_targets(config) -> tuple[str, ...]:
+    """The attention projections of a model of `config` (a `ModelConfig`), as targets name them."""
+    if not config.kv_lora_rank:
+        return ALL_TARGETS[:4]
+    queries = ("q_a_proj", "q_b_proj") if config.q_lora_rank else ("q_proj",)
+    return (*queries, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+
 def target_linears(model: CausalLM, targets: tuple[str, ...]) -> Iterator[tuple[str, Linear | GroupedLinear]]:
     """(NNX module path, module) for every linear layer whose HF module name is in `targets`, and every experts'
     projection whose `experts.<name>` is."""
@@ -125,8 +136,11 @@ def apply_lora(model: CausalLM, config: LoraConfig, *, rngs: nnx.Rngs) -> Causal
     found = list(target_linears(model, config.targets))
     missing = set(config.targets) - {target_name(path) for path, _ in found}
     if missing:
+        attention = ", ".join(attention_targets(model.config))
         why = [why for names, why in ((("lm_head",), "tied embeddings have no lm_head"),
-                                      (PARAMETER_TARGETS, "a model without experts has no router or experts"))
+                                      (PARAMETER_TARGETS, "a model without experts has no router or experts"),
+                                      (("q_proj", "k_proj", "v_proj") + LATENT_TARGETS,
+                                       f"its attention's projections are {attention}"))
                if missing & set(names)]
         raise ValueError(f"LoRA targets {sorted(missing)} are not layers of this model"
                          + (f" ({'; '.join(why)})" if why else ""))

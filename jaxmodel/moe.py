@@ -549,11 +549,13 @@ def _token_axes(mesh, rules: Rules, tokens: int) -> tuple[str, ...]:
 
 class BiasedRouter(Linear):
     """DeepSeek-V3's router: its `[e, d]` weight and `e_score_correction_bias` `[e]`, a frozen buffer added to the
-    scores for choosing the experts only (`grouped_sigmoid_route`)."""
+    scores for choosing the experts only (`grouped_sigmoid_route`). Both are float32 and the logits are computed in
+    float32 whatever the model's dtypes, as transformers keeps them (`_keep_in_fp32_modules_strict`): a bf16 bias
+    would move the scores that choose the experts."""
 
-    def __init__(self, in_features: int, experts: int, *, layers: int | None, dtype, param_dtype, rngs: nnx.Rngs):
-        super().__init__(in_features, experts, axes=("experts", "embed"), layers=layers, dtype=dtype,
-                         param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, in_features: int, experts: int, *, layers: int | None, rngs: nnx.Rngs):
+        super().__init__(in_features, experts, axes=("experts", "embed"), layers=layers, dtype=jnp.float32,
+                         param_dtype=jnp.float32, rngs=rngs)
         shape, axes = _stacked(layers, (experts,), ("experts",))
         self.e_score_correction_bias = nnx.Param(jnp.zeros(shape, jnp.float32), axes=axes)
 
@@ -570,8 +572,7 @@ class SparseMoeBlock(nnx.Module):
                  shared_experts: nnx.Module | None = None):
         c = config
         if c.router_groups:
-            self.gate = BiasedRouter(c.hidden_size, c.num_experts, layers=layers, dtype=dtype, param_dtype=param_dtype,
-                                     rngs=rngs)
+            self.gate = BiasedRouter(c.hidden_size, c.num_experts, layers=layers, rngs=rngs)
         else:
             self.gate = Linear(c.hidden_size, c.num_experts, axes=("experts", "embed"), layers=layers, dtype=dtype,
                                param_dtype=param_dtype, rngs=rngs)

@@ -26,8 +26,9 @@ def load_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None, 
 
     With a mesh, each parameter is placed straight onto its sharding (from its logical axes and `rules`)
     and each process reads only the bytes of the shards its devices hold. `param_dtype` casts the stored
-    weights (default: as stored); `dtype` is the compute dtype (default: the embedding's dtype). The codes
-    and scales of a quantized checkpoint are loaded as stored, whatever `param_dtype`.
+    weights (default: as stored), but a parameter the model keeps in a dtype of its own (DeepSeek-V3's float32
+    router); `dtype` is the compute dtype (default: the embedding's dtype). The codes and scales of a quantized
+    checkpoint are loaded as stored, whatever `param_dtype`.
     """
     directory = Path(path)
     config = ModelConfig.from_hf(directory)
@@ -57,8 +58,10 @@ def load_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None, 
         if isinstance(var, QuantizedParam) and stored_array.dtype != var.dtype:
             raise CheckpointError(f"{directory / MANIFEST}: '{name}' is {stored_array.dtype}, "
                                   f"its quantization stores {np.dtype(var.dtype)}")
+        # `param_dtype` is what the model declares for its parameters, but for those it keeps in a dtype of their own
+        # (DeepSeek-V3's float32 router)
         keep = param_dtype is None or isinstance(var, QuantizedParam)
-        target = stored_array.dtype if keep else np.dtype(param_dtype)
+        target = stored_array.dtype if keep else np.dtype(var.dtype)
         var.set_value(_place(stored_array, target, None if mesh is None else
                            variable_sharding(var, mesh, rules)))
     return abstract

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
+from flax import nnx
 import numpy as np
 import pytest
 import torch
@@ -136,3 +137,96 @@ def test_a_grouping_that_cannot_hold_the_experts_is_refused_in_one_line():
         ModelConfig.from_hf(config)
     assert str(info.value) == ("n_group=4 must split the 6 experts into groups of 2 or more, of which topk_group=2 "
                                "(1 to n_group) hold at least num_experts_per_tok=2")
+
+
+def test_a_bf16_run_keeps_the_router_and_its_selection_bias_in_float32(tmp_path):
+    """As transformers does (`_keep_in_fp32_modules_strict`): the bias loaded exactly, the logits a float32 product
+    of the bf16 hidden states."""
+    import jax
+
+    config = {"model_type": "deepseek_v3", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "first_k_dense_replace": 0,
+              "n_routed_experts": 4, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 8, "kv_lora_rank": 4, "q_lora_rank": None, "qk_nope_head_dim": 2,
+              "qk_rope_head_dim": 2, "v_head_dim": 2}
+    hf = deepseek_model(config)
+    hf.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "jax", progress=False)
+    model = load_pretrained(tmp_path / "jax", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    gate = model.moe_layers.mlp.gate
+    assert model.embed_tokens.weight[...].dtype == jnp.bfloat16
+    assert gate.weight[...].dtype == gate.e_score_correction_bias[...].dtype == jnp.float32
+    bias = hf.model.layers[0].mlp.gate.e_score_correction_bias.numpy()
+    np.testing.assert_array_equal(np.asarray(gate.e_score_correction_bias[...])[0], bias)
+    assert (bias.astype(jnp.bfloat16).astype(np.float32) != bias).any()  # bf16 would have moved it
+    x = jax.random.normal(jax.random.key(0), (3, 16), jnp.bfloat16)
+    one = jax.tree.map(lambda v: v[0], nnx.state(gate))
+    logits = nnx.merge(nnx.graphdef(gate), one)(x)
+    assert logits.dtype == jnp.float32
+    # float32 to its summation order (a bf16 product would be ~1e-3 off)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(x, np.float32) @ np.asarray(gate.weight[...][0]).T,
+                               rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("q_lora_rank", [8, None])
+def test_the_default_adapter_serves_in_peft_with_equal_logits_and_gradients(q_lora_rank, tmp_path):
+    """The default targets on DeepSeek-V3: latent attention's projections (q_proj without a query bottleneck) and
+    the routed experts, as PEFT names them on DeepseekV3ForCausalLM; the exported adapter read back bit for bit."""
+    import jax
+
+    from finetune.config import TrainConfig
+    from jaxmodel.formats.peft_adapter import peft_tensors, save_peft_adapter
+    from jaxmodel.layers import LoRAParam
+    from jaxmodel.lora import apply_lora
+    from test_moe_families import _assert_peft_grads, _assert_reads_back, _peft_model, _random_adapters
+
+    config = {"model_type": "deepseek_v3", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "first_k_dense_replace": 1,
+              "n_routed_experts": 4, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 8, "kv_lora_rank": 6, "q_lora_rank": q_lora_rank, "qk_nope_head_dim": 4,
+              "qk_rope_head_dim": 2, "v_head_dim": 4, "initializer_range": 0.2}
+    deepseek_model(config).save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "jax", progress=False)
+    base = load_pretrained(tmp_path / "jax")
+    lora_config = TrainConfig(model="m", data="d", rank=2, alpha=6.0).lora_config(base.config)
+    queries = ("q_a_proj", "q_b_proj") if q_lora_rank else ("q_proj",)
+    assert lora_config.targets == (*queries, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "experts.gate_up_proj",
+                                   "experts.down_proj")
+    model = apply_lora(base, lora_config, rngs=nnx.Rngs(0))
+    _random_adapters(model)
+    save_peft_adapter(tmp_path / "adapter", nnx.state(model, LoRAParam), lora_config, model_config=model.config,
+                      base_model=str(tmp_path / "hf"))
+    peft = _peft_model(tmp_path / "hf", tmp_path / "adapter")
+    ids = np.random.default_rng(1).integers(0, 32, (2, 11))
+    weights = np.random.default_rng(2).standard_normal((2, 11, 32)).astype(np.float32)
+    logits = peft(torch.tensor(ids)).logits
+    (logits * torch.tensor(weights)).sum().backward()
+    expected = logits.detach().numpy()
+    theirs = {k.replace(".default", ""): p.grad.numpy() for k, p in peft.named_parameters() if p.requires_grad}
+    graphdef, lora, rest = nnx.split(model, LoRAParam, ...)
+
+    def loss(lora):
+        out = nnx.merge(graphdef, lora, rest)(jnp.asarray(ids, jnp.int32))
+        return jnp.sum(out * weights), out
+
+    grads, got = jax.jit(jax.grad(loss, has_aux=True))(lora)
+    assert np.abs(np.asarray(got) - expected).max() <= f32_tolerance(expected)
+    ours = peft_tensors(grads, model.config)
+    assert any("kv_b_proj" in k for k in ours) and any(".experts." in k for k in ours)
+    _assert_peft_grads(ours, theirs)
+    _assert_reads_back(lora, tmp_path / "jax", tmp_path / "adapter")
+
+
+def test_the_shared_experts_and_dense_mlps_adapters_peft_cannot_attach_are_named():
+    """PEFT 0.21.2 takes gate_proj/up_proj/down_proj on DeepseekV3ForCausalLM for the routed experts: an adapter on
+    the shared experts or a dense layer's MLP is refused for PEFT export (export-peft names them in one line)."""
+    from jaxmodel.formats.peft_adapter import unservable_targets
+    from jaxmodel.lora import LoraConfig
+
+    config = ModelConfig.from_hf({"model_type": "deepseek_v3", "vocab_size": 32, "hidden_size": 16,
+                                  "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                  "num_key_value_heads": 2, "first_k_dense_replace": 1, "n_routed_experts": 4,
+                                  "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 8})
+    lora = LoraConfig(targets=("q_a_proj", "kv_b_proj", "up_proj", "down_proj", "experts.down_proj"))
+    assert unservable_targets(lora, config) == ["down_proj", "up_proj"]

@@ -30,18 +30,20 @@ DEEPSEEK = {"model_type": "deepseek_v3", "vocab_size": 40, "hidden_size": 16, "i
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 7)), jnp.int32)
 
 
-def transformers_fp8(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+def transformers_fp8(w: np.ndarray, block: int, scale_fmt: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """transformers' codes (as uint8 bits) and scales of `w`, zero-padded to whole blocks and cropped back (its
-    quantizer leaves a weight with partial blocks unquantized; zeros change no block's absmax)."""
+    quantizer leaves a weight with partial blocks unquantized; zeros change no block's absmax); with `scale_fmt`
+    "ue8m0" (DeepSeek-V3.1's) the scales are powers of two, a torch float8_e8m0fnu tensor."""
     *lead, out, cols = w.shape
     rows_p, cols_p = -(-out // block) * block, -(-cols // block) * block
     padded = np.zeros((*lead, rows_p, cols_p), np.float32)
     padded[..., :out, :cols] = w
-    config = types.SimpleNamespace(weight_block_size=(block, block), scale_fmt=None)
+    config = types.SimpleNamespace(weight_block_size=(block, block), scale_fmt=scale_fmt)
     found = Fp8Quantize(types.SimpleNamespace(quantization_config=config))._quantize_one(
         "w.weight", torch.from_numpy(padded))
     codes = found["w.weight"].view(torch.uint8).numpy()[..., :out, :cols]
-    return codes, found["w.weight_scale_inv"].numpy()
+    scales = found["w.weight_scale_inv"]
+    return codes, scales if scale_fmt else scales.numpy()
 
 
 def weights(shape, seed=0) -> np.ndarray:
@@ -145,7 +147,7 @@ def is_fp8_projection(name: str) -> bool:
     return name.startswith("model.layers.") and name.endswith("proj.weight") or name.endswith("mqa.weight")
 
 
-def write_fp8_checkpoint(hf_dir, out, block: int, mtp: bool = True) -> dict:
+def write_fp8_checkpoint(hf_dir, out, block: int, mtp: bool = True, scale_fmt: str | None = None) -> dict:
     """The FP8 checkpoint of the unquantized one at `hf_dir`, made by transformers' quantizer, in DeepSeek-V3's hub
     layout (codes `weight` and float32 `weight_scale_inv`, `quantization_config`), with a multi-token-prediction
     layer past num_hidden_layers as the hub's have; returns its tensors."""
@@ -163,9 +165,9 @@ def write_fp8_checkpoint(hf_dir, out, block: int, mtp: bool = True) -> dict:
         if not is_fp8_projection(name):
             tensors[name] = t
             continue
-        codes, scales = transformers_fp8(t.float().numpy(), block)
+        codes, scales = transformers_fp8(t.float().numpy(), block, scale_fmt)
         tensors[name] = torch.from_numpy(codes).view(torch.float8_e4m3fn)
-        tensors[name.removesuffix("weight") + "weight_scale_inv"] = torch.from_numpy(scales)
+        tensors[name.removesuffix("weight") + "weight_scale_inv"] = scales if scale_fmt else torch.from_numpy(scales)
     config = json.loads((hf_dir / "config.json").read_text())
     if mtp:  # layer L: its own norms and projections, FP8 too
         layer = config["num_hidden_layers"]
@@ -174,7 +176,8 @@ def write_fp8_checkpoint(hf_dir, out, block: int, mtp: bool = True) -> dict:
         tensors[f"model.layers.{layer}.eh_proj.weight_scale_inv"] = torch.ones(1, 1)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [block, block]}
+                                     "weight_block_size": [block, block], **({"scale_fmt": scale_fmt} if scale_fmt
+                                                                             else {})}
     (out / "config.json").write_text(json.dumps(config))
     for aux in ("generation_config.json",):
         if (hf_dir / aux).is_file():
@@ -276,6 +279,23 @@ def test_quantize_fp8_stores_what_transformers_quantizer_stores(deepseek_checkpo
     for name in files:
         assert (tmp_path / "quantized" / "params" / name).read_bytes() == \
             (tmp_path / "kept" / "params" / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_power_of_two_scales_stored_as_e8m0_convert_to_their_float32_values(deepseek_checkpoints, tmp_path):
+    """DeepSeek-V3.1's scale format (`scale_fmt` "ue8m0"), its scales as transformers writes them: float8_e8m0fnu
+    tensors, read as the float32 powers of two they are."""
+    from converter import convert
+
+    root, _, _ = deepseek_checkpoints
+    tensors = write_fp8_checkpoint(root / "hf", tmp_path / "ue8m0", block=4, scale_fmt="ue8m0")
+    scales = tensors["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"]
+    assert scales.dtype == torch.float8_e8m0fnu
+    convert(tmp_path / "ue8m0", tmp_path / "jax", progress=False)
+    got = stored(tmp_path / "jax", "layers.self_attn.kv_a_proj_with_mqa.scales")[0]
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, scales.float().numpy())
+    assert set(np.log2(got).reshape(-1) % 1) == {0.0}
 
 
 def edited_fp8(root, tmp_path, edit_tensors=None, edit_config=None):

@@ -78,4 +78,7 @@ def _write_experts(config) -> dict:
 # transformers' DeepseekV3Config values for fields config.json may leave out, where the common reading has none
 DEFAULTS = (("bos_token_id", 0), ("eos_token_id", 1))
 
-FAMILY = Family("deepseek_v3", "DeepseekV3ForCausalLM", MODULES, _read, _write, defaults=DEFAULTS, experts=EXPERTS)
+# PEFT 0.21.2 on DeepseekV3ForCausalLM takes these names for the routed experts, also for the shared experts and the
+# dense layers' MLPs
+FAMILY = Family("deepseek_v3", "DeepseekV3ForCausalLM", MODULES, _read, _write, defaults=DEFAULTS, experts=EXPERTS,
+                unservable_targets=("gate_proj", "up_proj", "down_proj"))
