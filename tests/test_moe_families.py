@@ -332,7 +332,7 @@ def test_an_experts_adapter_serves_in_peft_with_equal_logits_and_gradients(famil
 
     from jaxmodel.layers import LoRAParam
     from jaxmodel.lora import LoraConfig, apply_lora
-    from jaxmodel.formats.peft_adapter import peft_tensors, save_peft_adapter
+    from jaxmodel.formats.peft_adapter import save_peft_adapter
 
     source = tiny_qwen3_moe if family == "qwen3_moe" else tiny_mixtral
     convert(source, tmp_path / "jax", progress=False)
@@ -341,16 +341,28 @@ def test_an_experts_adapter_serves_in_peft_with_equal_logits_and_gradients(famil
     _random_adapters(model)
     save_peft_adapter(tmp_path / "adapter", nnx.state(model, LoRAParam), lora_config, model_config=model.config,
                       base_model=str(source))
-    peft = _peft_model(source, tmp_path / "adapter")
+    peft, ours = assert_serves_in_peft(model, source, tmp_path / "adapter", tmp_path / "jax")
     if patterns:
         assert peft.base_model.model.model.layers[0].mlp.experts.base_layer.r["default"] == 3
-    ids = np.random.default_rng(1).integers(0, 32, (2, 11))
-    weights = np.random.default_rng(2).standard_normal((2, 11, 32)).astype(np.float32)
+    assert any(".experts." in k for k in ours)
+
+
+def assert_serves_in_peft(model, source: Path, adapter: Path, jax_dir: Path, vocab: int = 32):
+    """PEFT's model of HF checkpoint `source` with `adapter` (exported from `model`, converted at `jax_dir`) gives
+    `model`'s logits and LoRA gradients, and `adapter` reads back bit for bit; returns (the PEFT model, our
+    gradients by PEFT name)."""
+    from flax import nnx
+
+    from jaxmodel.formats.peft_adapter import peft_tensors
+    from jaxmodel.layers import LoRAParam
+
+    peft = _peft_model(source, adapter)
+    ids = np.random.default_rng(1).integers(0, vocab, (2, 11))
+    weights = np.random.default_rng(2).standard_normal((2, 11, vocab)).astype(np.float32)
     logits = peft(torch.tensor(ids)).logits
     (logits * torch.tensor(weights)).sum().backward()
     expected = logits.detach().numpy()
     theirs = {k.replace(".default", ""): p.grad.numpy() for k, p in peft.named_parameters() if p.requires_grad}
-
     graphdef, lora, rest = nnx.split(model, LoRAParam, ...)
 
     def loss(lora):
@@ -360,9 +372,9 @@ def test_an_experts_adapter_serves_in_peft_with_equal_logits_and_gradients(famil
     grads, got = jax.jit(jax.grad(loss, has_aux=True))(lora)
     assert np.abs(np.asarray(got) - expected).max() <= f32_tolerance(expected)
     ours = peft_tensors(grads, model.config)
-    assert any(".experts." in k for k in ours)
     _assert_peft_grads(ours, theirs)
-    _assert_reads_back(lora, tmp_path / "jax", tmp_path / "adapter")
+    _assert_reads_back(lora, jax_dir, adapter)
+    return peft, ours
 
 
 def _assert_peft_grads(ours: dict, theirs: dict) -> None:
