@@ -211,3 +211,49 @@ def test_the_shared_experts_and_dense_mlps_adapters_peft_cannot_attach_are_named
                                   "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 8})
     lora = LoraConfig(targets=("q_a_proj", "kv_b_proj", "up_proj", "down_proj", "experts.down_proj"))
     assert unservable_targets(lora, config) == ["down_proj", "up_proj"]
+
+
+DEEPSEEK_V3 = Path(__file__).parent / "data" / "deepseek-v3-config.json"  # the published config.json
+
+
+def test_flops_per_token_count_latent_attention_the_active_and_shared_experts_and_the_dense_layers():
+    """4N + 6·L·T·heads·(qk + v): N the weights a token goes through, counted from transformers' own modules."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.step.flops import flops_per_token
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEEPSEEK_V3))
+    config = ModelConfig.from_hf(DEEPSEEK_V3)
+    n = hf.lm_head.weight.numel()
+    for layer in hf.model.layers:
+        n += sum(p.numel() for name, p in layer.self_attn.named_parameters() if "norm" not in name)
+        if hasattr(layer.mlp, "experts"):
+            per_expert = layer.mlp.experts.gate_up_proj[0].numel() + layer.mlp.experts.down_proj[0].numel()
+            n += layer.mlp.gate.weight.numel() + 8 * per_expert + sum(
+                p.numel() for p in layer.mlp.shared_experts.parameters())
+        else:
+            n += sum(p.numel() for p in layer.mlp.parameters())
+    attention = 61 * 2048 * 128 * (192 + 128)
+    assert flops_per_token(config, 2048) == 4 * n + 6 * attention
+    assert round(n / 1e9) == 37  # DeepSeek-V3's 37B activated parameters
+
+
+def test_fits_count_of_deepseeks_weights_is_transformers_and_its_gathers_leave_the_routed_experts_out():
+    """--fit's frozen bytes: bf16 weights, the float32 routers; a layer gathers its attention, router and shared
+    experts (or its dense MLP), not its routed experts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune import TrainConfig
+    from finetune.planning.fit import frozen_bytes
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEEPSEEK_V3))
+    config = ModelConfig.from_hf(DEEPSEEK_V3)
+    stored, gathered = frozen_bytes(TrainConfig(plan=True, model_config=str(DEEPSEEK_V3)), config)
+    routers = sum(p.numel() for n, p in hf.named_parameters() if n.endswith("mlp.gate.weight"))
+    matmul = sum(p.numel() for n, p in hf.named_parameters() if "norm" not in n)
+    assert stored == 2 * (matmul - routers) + 4 * routers
+    routed = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
+    embeddings = 2 * 2 * 129280 * 7168
+    assert gathered == pytest.approx((stored - embeddings - 2 * routed) / 61)

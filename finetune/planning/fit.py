@@ -43,6 +43,7 @@ from finetune.planning.devices import DeviceModel
 from finetune.planning.plan import GB, PlanReport, param_dtype, plan, plan_device_model, plan_quantization
 from finetune.planning.plan_json import plan_record
 from finetune.step.checks import layer_shapes
+from jaxmodel.lora import MLP_TARGETS, attention_targets
 from finetune.step.flops import flops_per_token
 from finetune.step.mesh import parse_mesh
 from finetune.step.train_step import DTYPES
@@ -150,19 +151,21 @@ def settings(config: TrainConfig, mesh: dict[str, int]):
 def frozen_bytes(config: TrainConfig, llama: ModelConfig) -> tuple[float, float]:
     """(all of the frozen base's matmul weights, what a layer gathers over fsdp x cp, on average over the layers),
     in bytes as the run stores them: quantized projections as their codes and float32 scales; the LM head and
-    embedding in the parameter dtype. A dense layer gathers its seven projections; a sparse one its attention and
-    router, not its experts, which stay on fsdp's devices (jaxmodel/moe.py)."""
+    embedding in the parameter dtype. A dense layer gathers its attention and MLP projections; a sparse one its
+    attention, router and shared experts, not its routed experts, which stay on fsdp's devices (jaxmodel/moe.py)."""
     shapes = layer_shapes(llama)
     quantization, _ = plan_quantization(config)
     dtype_bytes = jnp.dtype(param_dtype(config)).itemsize
     per_value = dtype_bytes if quantization is None else quantization.bytes_per_value
-    attention = sum(math.prod(shapes[name]) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    dense_mlp = sum(math.prod(shapes[name]) for name in ("gate_proj", "up_proj", "down_proj"))
-    router = llama.hidden_size * llama.num_experts
+    attention = sum(math.prod(shapes[name]) for name in attention_targets(llama))
+    dense_mlp = sum(math.prod(shapes[name]) for name in MLP_TARGETS)
     experts = 3 * llama.hidden_size * llama.moe_intermediate_size * llama.num_experts
+    shared = 3 * llama.hidden_size * llama.moe_intermediate_size * llama.shared_experts  # quantized as an MLP
+    router = llama.hidden_size * llama.num_experts * (4 if llama.router_groups else dtype_bytes)  # DeepSeek's float32
     sparse = llama.sparse_layers or (False,) * llama.num_hidden_layers
-    stored = sum(attention + (router + experts if s else dense_mlp) for s in sparse) * per_value
-    gathered = sum(attention + (router if s else dense_mlp) for s in sparse) * per_value / llama.num_hidden_layers
+    stored = sum((attention + (shared + experts if s else dense_mlp)) * per_value + s * router for s in sparse)
+    gathered = sum((attention + (shared if s else dense_mlp)) * per_value + s * router
+                   for s in sparse) / llama.num_hidden_layers
     head = math.prod(shapes["lm_head"]) * (1 if llama.tie_word_embeddings else 2) * dtype_bytes  # and embedding
     return stored + head, gathered
 

@@ -46,12 +46,19 @@ def check_experts_split(llama: ModelConfig, mesh: Mesh, rules: Rules) -> None:
 
 
 def layer_shapes(llama: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each linear layer LoRA can adapt, by HF module name."""
+    """(in, out) features of each linear layer LoRA can adapt, by HF module name: the attention's
+    (`jaxmodel.lora.attention_targets`: multi-head latent attention's own), the dense MLP's and the LM head."""
     hidden, mlp = llama.hidden_size, llama.intermediate_size
-    q, kv = llama.num_attention_heads * llama.head_dim, llama.num_key_value_heads * llama.head_dim
-    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-            "gate_proj": (hidden, mlp), "up_proj": (hidden, mlp), "down_proj": (mlp, hidden),
+    mlps = {"gate_proj": (hidden, mlp), "up_proj": (hidden, mlp), "down_proj": (mlp, hidden),
             "lm_head": (hidden, llama.vocab_size)}
+    n = llama.num_attention_heads
+    if llama.kv_lora_rank:
+        rank, qk, v = llama.q_lora_rank, llama.qk_head_dim, llama.v_head_dim
+        queries = {"q_a_proj": (hidden, rank), "q_b_proj": (rank, n * qk)} if rank else {"q_proj": (hidden, n * qk)}
+        return {**queries, "kv_a_proj_with_mqa": (hidden, llama.kv_lora_rank + llama.head_dim),
+                "kv_b_proj": (llama.kv_lora_rank, n * (llama.qk_nope_head_dim + v)), "o_proj": (n * v, hidden), **mlps}
+    q, kv = n * llama.head_dim, llama.num_key_value_heads * llama.head_dim
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden), **mlps}
 
 
 def check_rank(config: TrainConfig, llama: ModelConfig) -> None:

@@ -2,28 +2,35 @@
 
 from __future__ import annotations
 
+import math
+
 from jaxmodel.config import ModelConfig
 
 
 def flops_per_token(config: ModelConfig, seq_len: int, reference_forward: bool = False) -> float:
     """Model FLOPs per trained token of a LoRA step (frozen base), counted as:
 
-    forward 2N (N = matmul weights a token goes through: q, k, v, o, gate, up, down per layer, and the LM head;
-    in a sparse layer the router and its k experts' gate, up and down, not every expert's) plus attention
-    4·L·T·H (QKᵀ and AV with H = heads·head_dim, T the sequence, causality not discounted; a layer with a
-    sliding window of W keys counts min(T, W) for its T); the backward pass needs activation gradients only
-    (no base-weight gradients): 2N + 8·L·T·H. Total
-    4N + 12·L·T·H. LoRA's own matmuls (rank r) are under 1% at r=8 and are left out. With
-    `reference_forward` (DPO, IPO: the reference model runs in the same step) one more forward: 6N + 16·L·T·H.
+    forward 2N (N = matmul weights a token goes through: the attention's projections (q, k, v, o; multi-head latent
+    attention's q_a, q_b, kv_a, kv_b, o), gate, up, down per layer, and the LM head; in a sparse layer the router,
+    its k experts' gate, up and down, not every expert's, and its shared experts') plus attention 2·L·T·(Hqk + Hv)
+    (QKᵀ over Hqk = heads · the queries' width, AV over Hv = heads · the values' width; 4·L·T·H where both are H;
+    T the sequence, causality not discounted; a layer with a sliding window of W keys counts min(T, W) for its T);
+    the backward pass needs activation gradients only (no base-weight gradients): twice the forward's attention and
+    2N. Total 4N + 6·L·T·(Hqk + Hv). LoRA's own matmuls (rank r) are under 1% at r=8 and are left out. With
+    `reference_forward` (DPO, IPO: the reference model runs in the same step) one more forward.
     """
+    from finetune.step.checks import layer_shapes
+    from jaxmodel.lora import attention_targets
+
     c = config
-    q = c.num_attention_heads * c.head_dim
-    kv = c.num_key_value_heads * c.head_dim
-    attention_weights = c.hidden_size * (2 * q + 2 * kv)
+    shapes = layer_shapes(c)
+    attention_weights = sum(math.prod(shapes[name]) for name in attention_targets(c))
     dense = 3 * c.hidden_size * c.intermediate_size
-    sparse = c.hidden_size * (3 * c.moe_intermediate_size * c.num_experts_per_tok + c.num_experts)
+    experts = c.num_experts_per_tok + c.shared_experts
+    sparse = c.hidden_size * (3 * c.moe_intermediate_size * experts + c.num_experts)
     n = sum(attention_weights + (sparse if s else dense) for s in c.sparse_layers or (False,) * c.num_hidden_layers)
     n += c.hidden_size * c.vocab_size
-    attention = sum(min(seq_len, w or seq_len) for w in c.layer_windows()) * q
-    forward = 2.0 * n + 4.0 * attention
-    return 4.0 * n + 12.0 * attention + (forward if reference_forward else 0.0)
+    widths = c.num_attention_heads * ((c.qk_head_dim + c.v_head_dim) if c.kv_lora_rank else 2 * c.head_dim)
+    attention = sum(min(seq_len, w or seq_len) for w in c.layer_windows()) * widths
+    forward = 2.0 * n + 2.0 * attention
+    return 4.0 * n + 6.0 * attention + (forward if reference_forward else 0.0)
