@@ -143,7 +143,8 @@ def _random_quantized(quantization: Quantization, shape, axes, rngs: nnx.Rngs):
     codes_shape, scales_shape = quantization.shapes(shape)
     scales = jnp.full(scales_shape, INIT_STD, jnp.float32)
     if quantization.two_dimensional:  # codes of a standard normal: weights of deviation INIT_STD
-        codes = jax.random.normal(rngs.params(), codes_shape, jnp.float32).astype(quantization.codes_dtype)
+        codes = jax.lax.bitcast_convert_type(jax.random.normal(rngs.params(), codes_shape, jnp.float32).astype(
+            quantization.codes_dtype), quantization.held_dtype)
         codes_units, scales_units = quantization.split_units(shape)
         return (QuantizedParam(codes, axes=axes, split_units=codes_units),
                 QuantizedParam(scales, axes=axes, split_units=scales_units))

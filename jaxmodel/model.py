@@ -523,7 +523,7 @@ def quantize_model(model: CausalLM, quantization: Quantization) -> CausalLM:
         if isinstance(var, QuantizedParam):
             module, part = name.rsplit(".", 1)
             codes, scales = quantize(np.asarray(source[module + ".weight"][...]), quantization)
-            var.set_value(jnp.asarray(codes if part == "codes" else scales))
+            var.set_value(jnp.asarray(codes.view(quantization.held_dtype) if part == "codes" else scales))
         else:
             var.set_value(source[name][...])
     return quantized

@@ -112,26 +112,34 @@ class GroupedRows(NamedTuple):
 
 
 def group_rows(experts_tk: jax.Array, num_experts: int, first: jax.Array | int = 0,
-               bound: int | None = None) -> GroupedRows:
+               bound: int | None = None, start: jax.Array | int = 0) -> GroupedRows:
     """The routes of `experts_tk` to the `num_experts` experts from `first` on, sorted by expert (stable: a token's
     rows keep the token order within an expert) and numbered from 0; the routes to other experts sorted after
-    them, and only the first `bound` rows kept (every route by default; a bound of at least the routes that can
-    reach the experts held loses none of theirs, `held_rows`)."""
+    them. Every route by default; with `bound`, the `bound` sorted rows from row `start` on, `group_sizes` counting
+    those (rows past the last route are routes elsewhere, with no token: route index `t * k`). A bound of at least
+    the routes that can reach the experts held loses none of theirs (`held_rows`); a smaller one takes them a
+    window at a time (`Experts._dispatched`)."""
     t, k = experts_tk.shape
     held_a = experts_tk.reshape(-1) - first
     held_a = jnp.where((held_a >= 0) & (held_a < num_experts), held_a, num_experts)
-    order = jnp.argsort(held_a, stable=True).astype(jnp.int32)[:bound]
-    group_sizes = jnp.bincount(held_a, length=num_experts).astype(jnp.int32)  # routes elsewhere not counted
-    return GroupedRows(order, order // k, held_a[order], group_sizes)
+    order = jnp.argsort(held_a, stable=True).astype(jnp.int32)
+    counts = jnp.bincount(held_a, length=num_experts).astype(jnp.int32)  # routes elsewhere not counted
+    if bound is None:
+        return GroupedRows(order, order // k, held_a[order], counts)
+    order = jax.lax.dynamic_slice_in_dim(jnp.concatenate([order, jnp.full((bound,), t * k, jnp.int32)]), start, bound)
+    ends = jnp.cumsum(counts)
+    group_sizes = jnp.clip(ends - start, 0, bound) - jnp.clip(ends - counts - start, 0, bound)
+    expert_a = jnp.where(order < t * k, held_a[jnp.minimum(order, t * k - 1)], num_experts)
+    return GroupedRows(order, jnp.minimum(order // k, t - 1), expert_a, group_sizes)
 
 
-# Under expert parallelism a device's experts are first given room for this many times the rows a balanced routing
-# sends them; a routing that sends more runs with room for the worst case instead (dropless either way).
+# Under expert parallelism a device's experts are given room for this many times the rows a balanced routing sends
+# them; a routing that sends more runs in further passes of that many rows (dropless either way).
 CAPACITY_FACTOR = 2
 
 
 def dispatch_bounds(tokens: int, top_k: int, held: int, ways: int) -> tuple[int, int]:
-    """(the rows a device's `held` experts are first given room for, the most they can receive) when each of the
+    """(the rows a device's `held` experts take a pass at a time, the most they can receive) when each of the
     `ways` devices sends `tokens` tokens, `top_k` routes each (`Experts._dispatched`)."""
     worst = held_rows(ways * tokens, top_k, held)
     return min(worst, CAPACITY_FACTOR * tokens * top_k), worst
@@ -324,10 +332,10 @@ def routed_experts(x_td: jax.Array, weights_tk: jax.Array, experts_tk: jax.Array
 
 
 def _gated_experts(x_td, weights_tk, experts_tk, gate_up, down, num_experts: int, dtype, activation: str,
-                   first: jax.Array | int = 0, bound: int | None = None):
+                   first: jax.Array | int = 0, bound: int | None = None, start: jax.Array | int = 0):
     """`routed_experts` with the two projections as functions of (sorted rows, `GroupedRows`) giving float32, over
-    the `num_experts` experts from `first` on (`group_rows`)."""
-    rows = group_rows(experts_tk, num_experts, first, bound)
+    the `num_experts` experts from `first` on, the `bound` sorted rows from `start` on (`group_rows`)."""
+    rows = group_rows(experts_tk, num_experts, first, bound, start)
     x_ad = x_td.astype(dtype)[rows.token_a]
     h_a2f = gate_up(x_ad, rows).astype(dtype)
     f = h_a2f.shape[1] // 2
@@ -451,14 +459,15 @@ class Experts(nnx.Module):
         axes `owners` (each device holding `e / ways` of them, in the order of its index over `owners`).
 
         The dispatch, dropless and static in shape: the tokens, weights and routes of the `ways` devices gathered
-        (`[ways * t]` rows each), this device's experts' routed rows sorted first and kept up to a bound
-        (`dispatch_bounds`): room for `CAPACITY_FACTOR` times the rows a balanced routing sends them, or, when more
-        are routed to them, for the most they can receive (`ways * t * min(k, e / ways)`), so that no routing drops
-        a row; the blocks past the rows routed are skipped (`grouped_matmul`). Each device's partial sums over the
-        experts it holds are then summed onto the devices whose tokens they are (a reduce-scatter, float32). Per
-        layer and pass: an all-gather of the hidden states and a reduce-scatter of the outputs over `owners`; no
-        expert leaves its owners (with cp or mp, a device's own experts are gathered over them: their hidden and
-        intermediate dimensions lie there)."""
+        (`[ways * t]` rows each), this device's experts' routed rows sorted first and taken `capacity` at a time
+        (`dispatch_bounds`: `CAPACITY_FACTOR` times the rows a balanced routing sends them): one pass, and, when more
+        are routed to them, further passes of as many rows, up to the most they can receive (`ways * t *
+        min(k, e / ways)`), so that no routing drops a row and none needs room for the worst case at once; the blocks
+        past the rows routed are skipped (`grouped_matmul`). Each device's partial sums over the experts it holds are
+        then summed onto the devices whose tokens they are (a reduce-scatter, float32). Per layer and pass: an
+        all-gather of the hidden states and a reduce-scatter of the outputs over `owners`; no expert leaves its
+        owners (with cp or mp, a device's own experts are gathered over them: their hidden and intermediate
+        dimensions lie there)."""
         if not owners:
             return self._local(x_td, weights_tk, experts_tk)
         ways = math.prod(jax.lax.axis_size(a) for a in owners)
@@ -467,24 +476,36 @@ class Experts(nnx.Module):
         gather = functools.partial(jax.lax.all_gather, axis_name=owners, axis=0, tiled=True)
         x_td, weights_tk, experts_tk = gather(x_td), gather(weights_tk), gather(experts_tk)
         first = jax.lax.axis_index(owners) * held
-
-        def held_experts(experts, x_td, weights_tk, experts_tk, first):
-            def rows_of(bound):
-                return lambda: _gated_experts(x_td, weights_tk, experts_tk, experts.gate_up_proj, experts.down_proj,
-                                              held, experts.dtype, experts.activation, first, bound)
-
-            if capacity == worst:
-                return rows_of(worst)()
-            routed_here = jnp.sum((experts_tk >= first) & (experts_tk < first + held))
-            with jax.named_scope(scopes.EXPERT_DISPATCH):
-                return jax.lax.cond(routed_here <= capacity, rows_of(capacity), rows_of(worst))
-
         graphdef, state = nnx.split(self)
+
+        def window(state, x_td, weights_tk, experts_tk, first, start):
+            experts = nnx.merge(graphdef, state)
+            return _gated_experts(x_td, weights_tk, experts_tk, experts.gate_up_proj, experts.down_proj, held,
+                                  experts.dtype, experts.activation, first, capacity, start)
+
+        def held_experts(state, x_td, weights_tk, experts_tk, first):
+            y_td = window(state, x_td, weights_tk, experts_tk, first, 0)
+            if capacity == worst:
+                return y_td
+            routed_here = jnp.sum((experts_tk >= first) & (experts_tk < first + held))
+
+            def further(y_td, start):
+                def run():
+                    return window(state, x_td, weights_tk, experts_tk, first, start)
+
+                # the branch a balanced routing takes first (the plan counts it: finetune/planning/hlo_cost.py)
+                with jax.named_scope(scopes.EXPERT_DISPATCH):
+                    return y_td + jax.lax.cond(start >= routed_here, lambda: jnp.zeros_like(y_td), run), None
+
+            # a pass at a time, each recomputed in the backward pass: one pass's rows are held at a time
+            further = jax.checkpoint(further, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+            starts = jnp.arange(1, -(-worst // capacity), dtype=jnp.int32) * capacity
+            return jax.lax.scan(further, y_td, starts)[0]
+
         # The rows are sized for more than a device's experts receive on average: none of them is kept for the
         # backward pass, whatever the remat policy (with the worst case's room, `dots` kept the products of every
         # layer: Qwen3-30B-A3B at 16 x 2048 on fsdp=8 planned 208 GB of temporaries a device, 19 GB with `full`).
-        y_td = recomputed_in_backward(lambda state, *args: held_experts(nnx.merge(graphdef, state), *args),
-                                      state, x_td, weights_tk, experts_tk, first)
+        y_td = recomputed_in_backward(held_experts, state, x_td, weights_tk, experts_tk, first)
         return jax.lax.psum_scatter(y_td, owners, scatter_dimension=0, tiled=True)
 
     def _local(self, x_td, weights_tk, experts_tk):

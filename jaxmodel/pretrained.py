@@ -55,6 +55,9 @@ def load_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None, 
                 f"{directory / MANIFEST}: '{name}' has shape {entry['shape']}, config.json implies {list(var.shape)}"
             )
         stored_array = open_tensor(directory, name, entry)
+        if isinstance(var, QuantizedParam) and name.endswith(".codes") and quantization.held_dtype != \
+                quantization.codes_dtype and stored_array.dtype == quantization.codes_dtype:
+            stored_array = stored_array.view(quantization.held_dtype)  # FP8 held as its bits
         if isinstance(var, QuantizedParam) and stored_array.dtype != var.dtype:
             raise CheckpointError(f"{directory / MANIFEST}: '{name}' is {stored_array.dtype}, "
                                   f"its quantization stores {np.dtype(var.dtype)}")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -87,6 +88,13 @@ class Quantization:
     @property
     def codes_dtype(self) -> np.dtype:
         return {"nf4": np.dtype(np.uint8), "int8": np.dtype(np.int8), "fp8": FP8}[self.scheme]
+
+    @property
+    def held_dtype(self) -> np.dtype:
+        """The dtype a model holds its codes in: `codes_dtype`, but fp8's bits as uint8. XLA:CPU, which has no FP8
+        arithmetic, converted a whole stacked FP8 parameter to float16 outside the layer scan (a second, wider copy
+        of the base in a plan's temporaries); the bits, decoded per layer (`dequantize`), leave nothing to hoist."""
+        return np.dtype(np.uint8) if self.two_dimensional else self.codes_dtype
 
     @property
     def bytes_per_value(self) -> float:
@@ -178,7 +186,10 @@ def dequantize(codes, scales, quantization: Quantization, dtype=jnp.float32):
 
 
 def _blockwise_scaled(xp, codes, scales, block: int):
-    """float32 `codes * scale` with each scale over its `block x block` block of `codes` `[..., out, in]`."""
+    """float32 `codes * scale` with each scale over its `block x block` block of `codes` `[..., out, in]` (FP8, or
+    its bits as uint8: `Quantization.held_dtype`)."""
+    if codes.dtype == np.uint8:
+        codes = codes.view(FP8) if xp is np else jax.lax.bitcast_convert_type(codes, FP8)
     out, in_features = codes.shape[-2:]
     scale = xp.repeat(xp.repeat(scales.astype(xp.float32), block, axis=-2), block, axis=-1)
     return codes.astype(xp.float32) * scale[..., :out, :in_features]

@@ -209,7 +209,6 @@ def test_an_fp8_checkpoint_converts_as_it_is_and_computes_as_transformers_on_its
     from converter.cli import main
     from jaxmodel import load_pretrained
     from jaxmodel.formats.checkpoint import read_manifest
-    from test_deepseek import deepseek_model
 
     root, _, tensors = deepseek_checkpoints
     assert main(["--src", str(root / "fp8"), "--out", str(tmp_path / "jax"), "--no-progress", "--verify"]) == 0
@@ -377,3 +376,19 @@ def test_fp8_blocks_that_would_straddle_an_experts_gate_and_up_are_refused(deeps
                     "--quant-block", "16")  # the experts' 8 gate rows and 8 up rows in one block of 16
     assert_refused(code, err, tmp_path, "--quantize fp8 blocks of 16 straddle the 2 fused parts of "
                    "'model.layers.1.mlp.experts.gate_up_proj' (16 rows)")
+
+
+@pytest.mark.slow
+def test_a_model_holds_fp8_codes_as_their_bits_and_the_step_makes_no_wider_copy():
+    """XLA:CPU has no FP8 arithmetic: given float8 parameters it converted every layer's codes to float16 at once,
+    outside the layer scan (a plan of DeepSeek-V3 counted 82 GB a device of it). Held as uint8 bits and decoded per
+    layer, the step's temporaries stay below such a copy."""
+    from test_quantization import grad_temp_bytes
+
+    config = ModelConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    model = CausalLM(config, quantization=Quantization("fp8", 32), rngs=nnx.Rngs(0))
+    codes = [v for p, v in nnx.to_flat_state(nnx.state(model, QuantizedParam)) if p[-1] == "codes"]
+    assert {v[...].dtype for v in codes} == {np.dtype(np.uint8)}
+    float16_copy = 2 * sum(v[...].size for v in codes)
+    assert grad_temp_bytes(model) < float16_copy
