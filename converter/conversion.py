@@ -169,11 +169,11 @@ def _plan(config: ModelConfig, tensors: list[SourceTensor], source_dir: Path, dt
     """What goes where. An FP8 checkpoint's (`stored`) FP8 weights and scales are copied as they are; its other
     projections, like every projection of an unquantized checkpoint with `quantization`, quantized as they stream."""
     expected = param_specs(config)
+    quantized = set() if quantization is None else set(_quantized_paths(config, expected, quantization, source_dir))
     by_path = hf_tensors_by_param(config, tensors, source_dir, ConversionError, stored and stored.block)
     stacked = names_of(config).is_stacked
     specs = {path: (shape, dtype if dtype is not None else by_path[path][0][0].tensor.dtype, stacked(path))
              for path, (shape, _) in expected.items()}
-    quantized = set() if quantization is None else set(_quantized_paths(config, expected, quantization, source_dir))
     for path in quantized:
         shape, _, stacked = specs.pop(path)
         codes_shape, scales_shape = quantization.shapes(shape)
@@ -195,7 +195,7 @@ def _plan(config: ModelConfig, tensors: list[SourceTensor], source_dir: Path, dt
                     sources[scales.name] = _Source(module + ".scales", layer, start)
                 elif path in quantized:
                     scales_start = 0 if not quantization.two_dimensional else fp8_scales_offset(
-                        piece, expected[path][0], quantization.block, ConversionError)
+                        piece, expected[path][0], quantization.block)
                     sources[name] = _Source(path, layer, piece.offset, True, scales_start)
                 else:
                     sources[name] = _Source(path, layer, piece.offset)
@@ -212,11 +212,10 @@ def _quantized_paths(config: ModelConfig, expected: dict, quantization: Quantiza
     if quantization.two_dimensional:  # partial blocks at the edges; a fused expert weight's parts whole blocks
         names = names_of(config)
         for path in paths:
-            rows = expected[path][0][-2]
-            parts = {t.parts for t in names.expert_tensors(path)} - {1}
-            if parts and rows // max(parts) % quantization.block:
-                raise ConversionError(f"{source_dir}: --quantize fp8 blocks of {quantization.block} straddle the "
-                                      f"{max(parts)} fused parts of '{names.jax_to_hf(path, 0)}' ({rows} rows)")
+            rows, parts = expected[path][0][-2], max((t.parts for t in names.expert_tensors(path)), default=1)
+            if parts > 1 and rows // parts % quantization.block:
+                raise ConversionError(f"{source_dir}: FP8 blocks of {quantization.block} straddle the {parts} fused "
+                                      f"parts of '{names.jax_to_hf(path, 0)}' ({rows} rows)")
         return paths
     for path in paths:
         shape, _ = expected[path]

@@ -55,16 +55,15 @@ def load_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None, 
                 f"{directory / MANIFEST}: '{name}' has shape {entry['shape']}, config.json implies {list(var.shape)}"
             )
         stored_array = open_tensor(directory, name, entry)
-        if isinstance(var, QuantizedParam) and name.endswith(".codes") and quantization.held_dtype != \
-                quantization.codes_dtype and stored_array.dtype == quantization.codes_dtype:
-            stored_array = stored_array.view(quantization.held_dtype)  # FP8 held as its bits
+        codes = isinstance(var, QuantizedParam) and name.endswith(".codes")
+        if codes and stored_array.dtype == quantization.codes_dtype:
+            stored_array = stored_array.view(quantization.held_dtype)  # FP8 held as its bits; the others as stored
         if isinstance(var, QuantizedParam) and stored_array.dtype != var.dtype:
             raise CheckpointError(f"{directory / MANIFEST}: '{name}' is {stored_array.dtype}, "
                                   f"its quantization stores {np.dtype(var.dtype)}")
-        # `param_dtype` is what the model declares for its parameters, but for those it keeps in a dtype of their own
-        # (DeepSeek-V3's float32 router)
-        keep = param_dtype is None or isinstance(var, QuantizedParam)
-        target = stored_array.dtype if keep else np.dtype(var.dtype)
+        # `param_dtype` is what the model declares for its parameters, but for those it keeps in a dtype of their own:
+        # quantized codes and scales (checked above to be as stored), DeepSeek-V3's float32 router
+        target = stored_array.dtype if param_dtype is None else np.dtype(var.dtype)
         var.set_value(_place(stored_array, target, None if mesh is None else
                            variable_sharding(var, mesh, rules)))
     return abstract

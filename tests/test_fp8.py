@@ -85,24 +85,6 @@ def test_nonfinite_weights_are_refused():
         quantize(np.array([[1.0, np.inf]], np.float32), Quantization("fp8", 2))
 
 
-def dequantized_reference(model: CausalLM) -> CausalLM:
-    """An unquantized model of `model`'s config holding its dequantized weights and its other parameters."""
-    param_dtype = model.embed_tokens.weight[...].dtype
-    reference = CausalLM(model.config, dtype=model.dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
-    held = {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    state = nnx.state(reference, nnx.Param)
-    for path, var in nnx.to_flat_state(state):
-        name = ".".join(map(str, path))
-        module = name.removesuffix(".weight")
-        if name not in held:
-            var.set_value(dequantize(held[module + ".codes"], held[module + ".scales"], model.quantization,
-                                     param_dtype))
-        else:
-            var.set_value(held[name])
-    nnx.update(reference, state)
-    return reference
-
-
 @pytest.mark.slow
 def test_fp8_deepseek_is_the_dequantized_model():
     plain = CausalLM(ModelConfig.from_hf(DEEPSEEK), rngs=nnx.Rngs(0))
@@ -115,6 +97,8 @@ def test_fp8_deepseek_is_the_dequantized_model():
     assert not any(".gate." in n or n.startswith(("embed", "lm_head")) for n in quantized)
     kv_a = model.layers.self_attn.kv_a_proj_with_mqa
     assert kv_a.codes[...].shape == (1, 10, 16) and kv_a.scales[...].shape == (1, 3, 4)
+    from test_quantization import dequantized_reference
+
     got, want = np.asarray(model(IDS)), np.asarray(dequantized_reference(model)(IDS))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     assert np.abs(got - np.asarray(plain(IDS))).max() > 1e-5  # quantization did change the weights
@@ -374,7 +358,7 @@ def test_fp8_blocks_that_would_straddle_an_experts_gate_and_up_are_refused(deeps
     root, _, _ = deepseek_checkpoints
     code, err = run(capsys, "--src", str(root / "hf"), "--out", str(tmp_path / "out"), "--quantize", "fp8",
                     "--quant-block", "16")  # the experts' 8 gate rows and 8 up rows in one block of 16
-    assert_refused(code, err, tmp_path, "--quantize fp8 blocks of 16 straddle the 2 fused parts of "
+    assert_refused(code, err, tmp_path, "FP8 blocks of 16 straddle the 2 fused parts of "
                    "'model.layers.1.mlp.experts.gate_up_proj' (16 rows)")
 
 

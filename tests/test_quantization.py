@@ -179,20 +179,24 @@ def test_bad_quantization_settings():
 
 # --- the model ---------------------------------------------------------------------------------------------
 
-def dequantized_reference(quantized: CausalLM, param_dtype=jnp.float32) -> CausalLM:
-    """An unquantized model whose projection weights are `quantized`'s, dequantized (numpy)."""
-    reference = CausalLM(CONFIG, dtype=quantized.dtype, param_dtype=param_dtype, rngs=nnx.Rngs(9))
-    for path in PROJECTIONS:
-        module, ref = quantized.layers, reference.layers
-        for part in path.split("."):
-            module, ref = getattr(module, part), getattr(ref, part)
-        w = dequantize_numpy(np.asarray(module.codes[...]), np.asarray(module.scales[...]), quantized.quantization)
-        assert w.shape == ref.weight[...].shape
-        ref.weight.set_value(jnp.asarray(w, param_dtype))
-    for name in ("input_layernorm", "post_attention_layernorm"):
-        getattr(reference.layers, name).weight.set_value(getattr(quantized.layers, name).weight[...])
-    for name in ("embed_tokens", "norm", "lm_head"):
-        getattr(reference, name).weight.set_value(getattr(quantized, name).weight[...])
+def dequantized_reference(quantized: CausalLM) -> CausalLM:
+    """An unquantized model of `quantized`'s config holding its weights: each quantized one dequantized (numpy), the
+    others as they are, in the parameter dtype of its embedding."""
+    param_dtype = quantized.embed_tokens.weight[...].dtype
+    reference = CausalLM(quantized.config, dtype=quantized.dtype, param_dtype=param_dtype, rngs=nnx.Rngs(9))
+    held = {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(nnx.state(quantized, nnx.Param))}
+    state = nnx.state(reference, nnx.Param)
+    for path, var in nnx.to_flat_state(state):
+        name = ".".join(map(str, path))
+        if name in held:
+            var.set_value(held[name])
+            continue
+        module = name.removesuffix(".weight")
+        w = dequantize_numpy(np.asarray(held[module + ".codes"]), np.asarray(held[module + ".scales"]),
+                             quantized.quantization)
+        assert w.shape == var.shape
+        var.set_value(jnp.asarray(w, param_dtype))
+    nnx.update(reference, state)
     return reference
 
 
@@ -220,7 +224,7 @@ def test_quantized_model_is_the_dequantized_model(scheme, block):
 def test_quantized_model_with_lora_and_bf16_compute_is_the_dequantized_model():
     model = quantize_model(CausalLM(CONFIG, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
                                             rngs=nnx.Rngs(0)), Quantization("nf4", 16))
-    reference = dequantized_reference(model, jnp.bfloat16)  # the bf16 path on bf16 dequantized weights
+    reference = dequantized_reference(model)  # the bf16 path on bf16 dequantized weights
     for m in (model, reference):
         apply_lora(m, LoraConfig(rank=4), rngs=nnx.Rngs(1))
         for path in PROJECTIONS:

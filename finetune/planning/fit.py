@@ -43,10 +43,10 @@ from finetune.planning.devices import DeviceModel
 from finetune.planning.plan import GB, PlanReport, param_dtype, plan, plan_device_model, plan_quantization
 from finetune.planning.plan_json import plan_record
 from finetune.step.checks import layer_shapes
-from jaxmodel.lora import MLP_TARGETS, attention_targets
 from finetune.step.flops import flops_per_token
 from finetune.step.mesh import parse_mesh
 from finetune.step.train_step import DTYPES
+from jaxmodel.lora import MLP_TARGETS, attention_targets
 from jaxmodel.config import ModelConfig
 from jaxmodel.sharding import MESH_AXES
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
+from finetune.step.checks import layer_shapes
 from jaxmodel.config import ModelConfig
+from jaxmodel.lora import attention_targets
 
 
 def flops_per_token(config: ModelConfig, seq_len: int, reference_forward: bool = False) -> float:
@@ -19,9 +21,6 @@ def flops_per_token(config: ModelConfig, seq_len: int, reference_forward: bool =
     2N. Total 4N + 6·L·T·(Hqk + Hv). LoRA's own matmuls (rank r) are under 1% at r=8 and are left out. With
     `reference_forward` (DPO, IPO: the reference model runs in the same step) one more forward.
     """
-    from finetune.step.checks import layer_shapes
-    from jaxmodel.lora import attention_targets
-
     c = config
     shapes = layer_shapes(c)
     attention_weights = sum(math.prod(shapes[name]) for name in attention_targets(c))

@@ -39,8 +39,6 @@ from jaxmodel.formats.io import ShortFileError, crc32_of_range, read_json
 from jaxmodel.formats.safetensors_file import DTYPES, SafetensorsError, TensorLocation, read_header
 from jaxmodel.model import CausalLM
 from jaxmodel.quantization import FP8, Quantization
-
-FP8_DTYPE = FP8
 MANIFEST = "jax_checkpoint.json"
 FORMAT = "jaxmodel-safetensors"
 FORMAT_VERSION = 1  # unquantized
@@ -167,7 +165,7 @@ def _pair_fp8_scales(by_path: dict, scales: dict, expected: dict, block: int, so
             for k, piece in enumerate(pieces):
                 t = piece.tensor
                 found = scales.pop(t.name, None)
-                if t.dtype != FP8_DTYPE:
+                if t.dtype != FP8:
                     if found is not None:
                         raise error(f"{found.file}: tensor '{found.name}' holds FP8 scales of '{t.name}', which is "
                                     f"{t.dtype}, not FP8")
@@ -179,22 +177,18 @@ def _pair_fp8_scales(by_path: dict, scales: dict, expected: dict, block: int, so
                 if tuple(found.shape) != want:
                     raise error(f"{found.file}: tensor '{found.name}' has shape {list(found.shape)}; '{t.name}' "
                                 f"{list(t.shape)} in blocks of {block} x {block} implies {list(want)}")
-                pieces[k] = piece._replace(scales=(found, fp8_scales_offset(piece, expected[path][0], block, error)))
+                pieces[k] = piece._replace(scales=(found, fp8_scales_offset(piece, expected[path][0], block)))
     for name, t in scales.items():
         raise error(f"{t.file}: tensor '{t.name}' holds FP8 scales of '{name}', which the checkpoint lacks")
 
 
-def fp8_scales_offset(piece: Piece, shape, block: int, error: type[Exception]) -> int:
-    """Where `piece`'s FP8 scales start in its slice of the parameter's `.scales` (the parameter `shape`), in elements;
-    `error(message)` for a part of an expert's fused weight that is not whole blocks (its blocks would straddle the
-    parts)."""
+def fp8_scales_offset(piece: Piece, shape, block: int) -> int:
+    """Where `piece`'s FP8 scales start in its slice of the parameter's `.scales` (the parameter `shape`), in elements
+    (a fused expert weight's parts are whole blocks: the converter checks it)."""
     if piece.part is None:
         return 0
-    expert, first, rows = piece.part
+    expert, first, _ = piece.part
     slice_rows, cols = shape[-2:]
-    if rows % block and rows != slice_rows:
-        raise error(f"{piece.tensor.file}: tensor '{piece.tensor.name}' is {rows} rows of a fused expert weight, "
-                    f"not whole FP8 blocks of {block}: its scales cannot be stacked")
     return (expert * -(-slice_rows // block) + first // block) * -(-cols // block)
 
 
