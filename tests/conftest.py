@@ -214,7 +214,7 @@ def two_process_grads(tiny_converted):
     from test_preference_training import addition_pairs
 
     def build(out):
-        from tiny_moe import TINY_MOE
+        from tiny_moe import TINY_DEEPSEEK, TINY_MOE
 
         from converter import convert
         from demo.tiny import build_tiny_model
@@ -224,6 +224,7 @@ def two_process_grads(tiny_converted):
         write_packed_data(out / "packed.jsonl")
         write_jsonl(out / "pairs.jsonl", addition_pairs())
         convert(build_tiny_model(out / "moe-hf", TINY_MOE), out / "moe", progress=False)
+        convert(build_tiny_model(out / "deepseek-hf", TINY_DEEPSEEK), out / "deepseek", progress=False)
         run_multihost_worker(tiny_converted, out)
 
     return built_once("two-process-grads", build)

@@ -31,6 +31,8 @@ CASES = {
     "dpo-precomputed": ("pairs.jsonl", "dp=2,fsdp=4,mp=1", "dpo-precomputed"),  # or computed before the steps
     # test_moe_families.py: the experts held by fsdp's devices across the processes, on OUT/moe (conftest's TINY_MOE)
     "moe": ("packed.jsonl", "dp=1,fsdp=4,cp=1,mp=2", "sft"),
+    # test_deepseek.py: latent attention, and 2 routed experts a device, on OUT/deepseek (tiny_moe's TINY_DEEPSEEK)
+    "deepseek": ("packed.jsonl", "dp=1,fsdp=4,cp=1,mp=2", "sft"),
 }
 
 
@@ -45,6 +47,10 @@ def case(model, out, port, process_id, name):
         from tiny_moe import MOE_MESH_TARGETS
 
         model, preference = os.path.join(out, "moe"), {"targets": MOE_MESH_TARGETS}
+    if name == "deepseek":
+        from tiny_moe import DEEPSEEK_MESH_TARGETS
+
+        model, preference = os.path.join(out, "deepseek"), {"targets": DEEPSEEK_MESH_TARGETS}
     config = TrainConfig(model=model, data=os.path.join(out, data), out=os.path.join(out, name), mesh=mesh, steps=1,
                          batch_size=8, seq_len=32, dtype="float32", progress=False, coordinator=f"127.0.0.1:{port}",
                          num_processes=2, process_id=int(process_id), **preference).validate()

@@ -2,7 +2,8 @@
 (the query bottleneck or none, latent ranks, query/key and value widths apart, YaRN with its attention factor and
 softmax scale or plain RoPE, interleaved or rotate-half rotary pairs) and its mixtures of experts (dense first
 layers, sigmoid routing with a selection bias over groups, renormalised or not, scaled, shared experts or none);
-config.json read and written back; a grouping that cannot hold the experts refused in one line."""
+config.json read and written back; a grouping that cannot hold the experts refused in one line; training on the meshes
+of the models with experts (and over two processes) as on one device, from a float32 and an FP8 base."""
 
 import tempfile
 from pathlib import Path
@@ -20,6 +21,7 @@ from converter import convert
 from jaxmodel import ModelConfig, load_pretrained
 from jaxmodel.config import ConfigError
 from strategies import yarn_ropes
+from test_moe_families import MOE_MESHES
 from test_parity import f32_tolerance, hf_logits, jax_logits
 
 
@@ -257,3 +259,58 @@ def test_fits_count_of_deepseeks_weights_is_transformers_and_its_gathers_leave_t
     routed = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
     embeddings = 2 * 2 * 129280 * 7168
     assert gathered == pytest.approx((stored - embeddings - 2 * routed) / 61)
+
+
+# ----------------------------------------------------------------------------------------------------
+# training on meshes
+
+
+@pytest.fixture(scope="module")
+def deepseek_run_checkpoint(tmp_path_factory):
+    """tests/tiny_moe.py's tiny DeepSeek-V3 with a tokenizer, converted, the packed rows of the mesh tests, and the
+    loss and LoRA gradients of one plain device."""
+    from test_moe_families import mesh_run_checkpoint
+    from tiny_moe import DEEPSEEK_MESH_TARGETS, TINY_DEEPSEEK
+
+    return mesh_run_checkpoint(tmp_path_factory.mktemp("deepseek-run"), TINY_DEEPSEEK, DEEPSEEK_MESH_TARGETS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, options", MOE_MESHES)
+def test_same_loss_and_lora_grads_on_a_mesh_as_one_plain_device(tmp_path, deepseek_run_checkpoint, mesh, options):
+    """Latent attention split over cp and mp, the routed experts over fsdp, the shared expert and dense layer's MLP
+    over mp: every adapter's gradient and the loss as on one device."""
+    import jax
+    from test_context_parallel import assert_same, grads_on
+    from tiny_moe import DEEPSEEK_MESH_TARGETS
+
+    jax_dir, data, reference = deepseek_run_checkpoint
+    for name in ("q_a_proj", "kv_b_proj", "o_proj", "shared_experts.down_proj", "layers.mlp.gate_proj",
+                 "experts.gate_up_proj", "experts.down_proj"):
+        assert any(name in key for key in reference[2]), name
+    assert_same(grads_on(jax_dir, data, tmp_path / "mesh", mesh, jax.devices(), targets=DEEPSEEK_MESH_TARGETS,
+                         **options), reference)
+
+
+@pytest.mark.slow
+def test_an_fp8_base_split_over_a_mesh_trains_as_on_one_device(deepseek_run_checkpoint, tmp_path):
+    """Codes and block scales of every latent projection and expert cut at whole blocks over fsdp and mp."""
+    import jax
+    from test_context_parallel import assert_same, grads_on
+    from tiny_moe import DEEPSEEK_MESH_TARGETS
+
+    jax_dir, data, _ = deepseek_run_checkpoint
+    convert(jax_dir.parent / "hf", tmp_path / "fp8", quantize="fp8", quant_block=16, progress=False)
+    one = grads_on(tmp_path / "fp8", data, tmp_path / "one", "dp=1,fsdp=1,mp=1", jax.devices()[:1], attention="xla",
+                   targets=DEEPSEEK_MESH_TARGETS)
+    assert_same(grads_on(tmp_path / "fp8", data, tmp_path / "mesh", "dp=1,fsdp=4,mp=2", jax.devices(),
+                         attention="xla", targets=DEEPSEEK_MESH_TARGETS), one)
+
+
+@pytest.mark.slow
+def test_two_processes_holding_the_experts_across_them_match_one_device(two_process_grads, deepseek_run_checkpoint):
+    """fsdp=4 over 2 processes of 4 devices (mp=2 inside each): two routed experts a device, the rows dispatched to
+    them from the other process's devices and back over loopback."""
+    from test_moe_families import assert_the_two_process_case_matches
+
+    assert_the_two_process_case_matches(two_process_grads, "deepseek", deepseek_run_checkpoint)

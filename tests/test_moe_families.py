@@ -622,27 +622,33 @@ def test_a_merge_folds_each_experts_adapter_into_a_checkpoint_of_the_familys_cla
 def moe_run_checkpoint(tmp_path_factory):
     """A tiny Qwen3-MoE with a tokenizer (demo/tiny.py: 2 layers, hidden 64; 4 experts, 2 a token, layer 1 dense),
     converted, the packed rows of the mesh tests, and the loss and LoRA gradients of one plain device."""
+    return mesh_run_checkpoint(tmp_path_factory.mktemp("moe-run"), TINY_MOE, MESH_TARGETS)
+
+
+def mesh_run_checkpoint(root, config: dict, targets: str):
+    """demo/tiny.py's model updated by `config`, converted, the packed rows of the mesh tests, and the loss and
+    gradients of the LoRA `targets` on one plain device: (its directory, the data file, (loss, tokens, grads))."""
     from demo.tiny import build_tiny_model
     from test_context_parallel import grads_on, write_packed_data
 
-    root = tmp_path_factory.mktemp("moe-run")
-    hf_dir = build_tiny_model(root / "hf", TINY_MOE)
-    convert(hf_dir, root / "jax", progress=False)
+    convert(build_tiny_model(root / "hf", config), root / "jax", progress=False)
     data = write_packed_data(root / "train.jsonl")
     reference = grads_on(root / "jax", data, root / "ref", "dp=1,fsdp=1,mp=1", jax.devices()[:1], attention="xla",
-                         loss_chunk=0, mlp_chunk=0, targets=MESH_TARGETS)
+                         loss_chunk=0, mlp_chunk=0, targets=targets)
     return root / "jax", data, reference
 
 
 MESH_TARGETS = MOE_MESH_TARGETS
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mesh, options", [
+# the meshes a model with experts trains on alike (with the options each runs): cp and fsdp, every axis, fsdp and mp
+MOE_MESHES = [
     ("dp=1,fsdp=2,cp=4,mp=1", dict(attention="blockwise", loss_chunk=3)),
     ("dp=2,fsdp=1,cp=2,mp=2", dict(attention="xla")),
     ("dp=1,fsdp=4,mp=2", dict(attention="xla")),
-])
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, options", MOE_MESHES)
 def test_same_loss_and_experts_lora_grads_on_a_mesh_as_one_plain_device(tmp_path, moe_run_checkpoint, mesh, options):
     from test_context_parallel import assert_same, grads_on
 
@@ -828,16 +834,22 @@ def test_greedy_generation_through_the_kv_cache_equals_transformers(tiny_qwen3_m
 def test_two_processes_holding_the_experts_across_them_match_one_device(two_process_grads, moe_run_checkpoint):
     """fsdp=4 over 2 processes of 4 devices (mp=2 inside each): each expert on one device, the rows dispatched to
     it from the other process's devices and back over loopback."""
+    assert_the_two_process_case_matches(two_process_grads, "moe", moe_run_checkpoint)
+
+
+def assert_the_two_process_case_matches(two_process_grads, case: str, run_checkpoint):
+    """tests/multihost_worker.py's `case`, computed on the same data and model as `run_checkpoint` (a converted
+    checkpoint, its data file and the one-device loss and gradients), gives the one device's loss and gradients."""
     from test_context_parallel import assert_same
 
-    jax_dir, data, reference = moe_run_checkpoint
+    jax_dir, data, reference = run_checkpoint
     assert (two_process_grads / "packed.jsonl").read_bytes() == data.read_bytes()
     files = sorted(p.relative_to(jax_dir) for p in jax_dir.rglob("*")
                    if p.is_file() and p.name != "jax_checkpoint.json")
     assert any(name.parts[0] == "params" for name in files)
     for name in files:  # the same model
-        assert (two_process_grads / "moe" / name).read_bytes() == (jax_dir / name).read_bytes(), name
-    got = np.load(two_process_grads / "moe.npz")
+        assert (two_process_grads / case / name).read_bytes() == (jax_dir / name).read_bytes(), name
+    got = np.load(two_process_grads / f"{case}.npz")
     assert_same((float(got["loss"]), float(got["tokens"]), {k: got[k] for k in got.files if k not in ("loss",
                                                                                                      "tokens")}),
                 reference)
