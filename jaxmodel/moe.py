@@ -36,7 +36,8 @@ from jaxmodel.quantization import Quantization, dequantize
 from jaxmodel.sharding import DEFAULT_RULES, Rules, partition_spec
 
 GROUPED_MATMULS = ("blocks", "ragged", "dense")
-BLOCK = 64  # rows of a block of the "blocks" path
+# the rows of a block of the "blocks" path lie within these (`block_rows`)
+MIN_BLOCK, MAX_BLOCK = 64, 256
 
 
 def route(logits_te: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -151,9 +152,20 @@ def held_rows(tokens: int, top_k: int, held: int) -> int:
     return tokens * min(top_k, held)
 
 
+def block_rows(rows: int, experts: int) -> int:
+    """The rows of a block of the "blocks" path when `rows` sorted rows go to `experts` experts: a quarter of their
+    average share (half a balanced routing's under expert parallelism, whose passes have room for twice that:
+    CAPACITY_FACTOR), a power of two within [MIN_BLOCK, MAX_BLOCK]. Each block reads its expert's weight whole: a
+    block of b rows does b FLOPs a byte of a 16-bit weight (the matmuls of an MI300X or H100 need about 250 to
+    outrun their memory), while each expert's last block is padded, by up to a block's rows."""
+    share = max(rows // max(experts, 1) // 4, 1)
+    return min(MAX_BLOCK, max(MIN_BLOCK, 1 << (share.bit_length() - 1)))
+
+
 def grouped_matmul(x_ai: jax.Array, w_eoi: jax.Array, rows: GroupedRows, impl: str = "blocks",
-                   block: int = BLOCK) -> jax.Array:
-    """`x_ai[j] @ w_eoi[expert of row j].T` for the sorted rows `x_ai`, accumulated and returned in float32."""
+                   block: int | None = None) -> jax.Array:
+    """`x_ai[j] @ w_eoi[expert of row j].T` for the sorted rows `x_ai`, accumulated and returned in float32; the
+    "blocks" path in blocks of `block` rows (default `block_rows`)."""
     if impl == "ragged":
         return jax.lax.ragged_dot(x_ai, jnp.swapaxes(w_eoi, 1, 2), rows.group_sizes,
                                   preferred_element_type=jnp.float32)
@@ -163,7 +175,7 @@ def grouped_matmul(x_ai: jax.Array, w_eoi: jax.Array, rows: GroupedRows, impl: s
         return jnp.take_along_axis(y_aeo, expert_a[:, None, None], axis=1)[:, 0]
     if impl != "blocks":
         raise ValueError(f"grouped matmul must be one of {GROUPED_MATMULS}, got {impl!r}")
-    return _blocks_matmul(x_ai, w_eoi, rows, block)
+    return _blocks_matmul(x_ai, w_eoi, rows, block or block_rows(x_ai.shape[0], w_eoi.shape[0]))
 
 
 # The "blocks" path has its own VJP so that the loop over the blocks runs without tangents, its products never
@@ -264,14 +276,17 @@ def _varying_axes(x: jax.Array) -> frozenset[str]:
     return frozenset(manual.varying) if manual is not None else frozenset()
 
 
-def balanced_block_share(tokens: int, top_k: int, num_experts: int, ways: int = 1, block: int = BLOCK) -> float:
+def balanced_block_share(tokens: int, top_k: int, num_experts: int, ways: int = 1,
+                         block: int | None = None) -> float:
     """The share of a "blocks" loop's blocks that hold rows when each of `ways` devices' `tokens` tokens route
     evenly over the `num_experts` experts, held `num_experts / ways` a device (`Experts._dispatched`, which then
     takes its first bound, `dispatch_bounds`; `ways` 1: every device all of them): what a grouped GEMM's work is on
     average, where the loop's static length is its bound's. Each expert receives `ways * tokens * top_k /
     num_experts` rows, padded to whole blocks."""
     held = num_experts // ways
-    blocks = padded_rows(dispatch_bounds(tokens, top_k, held, ways)[0], held, block) // block
+    capacity = dispatch_bounds(tokens, top_k, held, ways)[0]
+    block = block or block_rows(capacity, held)
+    blocks = padded_rows(capacity, held, block) // block
     used = held * math.ceil(ways * tokens * top_k / num_experts / block)
     return min(1.0, used / blocks)
 
@@ -318,7 +333,7 @@ def combine(y_ad: jax.Array, rows: GroupedRows, weights_tk: jax.Array) -> jax.Ar
 
 def routed_experts(x_td: jax.Array, weights_tk: jax.Array, experts_tk: jax.Array, gate_up_efd: jax.Array,
                    down_edf: jax.Array, activation: str = "silu", impl: str = "blocks",
-                   block: int = BLOCK) -> jax.Array:
+                   block: int | None = None) -> jax.Array:
     """The experts' gated MLPs on the routed rows, weighted and summed per token: float32 `[t, d]`. `gate_up_efd`
     is transformers 5's fused `[e, 2f, d]` (the gate's rows first), `down_edf` `[e, d, f]`; products in the
     weights' dtype are accumulated in float32 and rounded to it (as `jaxmodel.layers.Linear`)."""
@@ -353,8 +368,8 @@ class GroupedLinear(nnx.Module):
     in float32 (the rows routed, never a dense delta of every expert)."""
 
     def __init__(self, experts: int, in_features: int, out_features: int, *, axes: tuple[str, str],
-                 layers: int | None, dtype, param_dtype, rngs: nnx.Rngs, grouped: str = "blocks", block: int = BLOCK,
-                 quantization: Quantization | None = None):
+                 layers: int | None, dtype, param_dtype, rngs: nnx.Rngs, grouped: str = "blocks",
+                 block: int | None = None, quantization: Quantization | None = None):
         shape, names = _stacked(layers, (experts, out_features, in_features), ("experts", *axes))
         self.weight_shape, self.weight_axes = shape, names
         self.quantization = quantization
@@ -401,7 +416,7 @@ class Experts(nnx.Module):
     leading `[L]` axis. `grouped` and `block` choose the grouped matmul (`grouped_matmul`)."""
 
     def __init__(self, config, *, layers: int | None, dtype, param_dtype, rngs: nnx.Rngs, grouped: str = "blocks",
-                 block: int = BLOCK, quantization: Quantization | None = None):
+                 block: int | None = None, quantization: Quantization | None = None):
         e, f, d = config.num_experts, config.moe_intermediate_size, config.hidden_size
         kw = dict(layers=layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs, grouped=grouped, block=block,
                   quantization=quantization)
@@ -589,7 +604,7 @@ class SparseMoeBlock(nnx.Module):
     weights quantized; the router, small and deciding which experts run, does not."""
 
     def __init__(self, config, *, layers: int | None, dtype, param_dtype, rngs: nnx.Rngs, grouped: str = "blocks",
-                 block: int = BLOCK, quantization: Quantization | None = None,
+                 block: int | None = None, quantization: Quantization | None = None,
                  shared_experts: nnx.Module | None = None):
         c = config
         if c.router_groups:

@@ -131,6 +131,24 @@ def test_the_padded_length_holds_the_worst_routing():
     np.testing.assert_array_equal(grouped_matmul(x, w, rows, "blocks", block), w.sum(-1))
 
 
+@pytest.mark.parametrize("rows, experts, block", [
+    (32768, 32, 256),  # DeepSeek-V3 at 16 x 2048 on fsdp=8: a pass's room (2 x 2048 tokens x 8) over 32 experts
+    (1536, 3, 128), (1535, 3, 64), (2**20, 1, 256), (96, 4, 64), (5, 8, 64)])
+def test_a_block_is_a_quarter_of_an_experts_average_rows_as_a_power_of_two_within_bounds(rows, experts, block):
+    """block_rows, and the "blocks" loop's length by default: the rows' padded length in blocks of that many."""
+    from jaxprs import count_eqns
+
+    from jaxmodel.moe import block_rows
+
+    assert block_rows(rows, experts) == block
+    if rows <= 2048:
+        x, w = jnp.ones((rows, 2)), jnp.ones((experts, 3, 2))
+        grouped = group_rows(jnp.arange(rows, dtype=jnp.int32)[:, None] % experts, experts)
+        n = padded_rows(rows, experts, block) // block
+        jaxpr = jax.make_jaxpr(grouped_matmul)(x, w, grouped).jaxpr
+        assert count_eqns(jaxpr, lambda e: e.primitive.name == "scan" and e.params["length"] == n) == 1
+
+
 def test_combine_weights_each_tokens_rows_and_sums_them():
     weights, experts = np.array([[0.75, 0.25], [0.5, 0.5]], np.float32), np.array([[2, 0], [0, 1]], np.int32)
     rows = group_rows(jnp.asarray(experts), 3)
@@ -335,11 +353,13 @@ def test_experts_held_by_fsdps_devices_give_the_outputs_and_gradients_of_one_dev
 
 
 @pytest.mark.parametrize("tokens, k, e, ways, block", [(64, 2, 8, 1, 4), (64, 2, 8, 1, 64), (32, 8, 128, 8, 4),
-                                                        (96, 2, 8, 8, 16), (40, 3, 6, 2, 8)])
+                                                        (96, 2, 8, 8, 16), (40, 3, 6, 2, 8), (2048, 2, 8, 1, None),
+                                                        (1024, 2, 8, 2, None)])
 def test_the_balanced_share_of_blocks_is_what_a_balanced_routing_runs(tokens, k, e, ways, block):
     """A routing that gives every expert the same rows (token j to experts jk, ..., jk + k - 1 mod e), laid out for
-    the first device's experts as the dispatch lays it: the share of its blocks that hold rows."""
-    from jaxmodel.moe import _block_layout, balanced_block_share, dispatch_bounds
+    the first device's experts as the dispatch lays it: the share of its blocks that hold rows (in the blocks the
+    grouped matmul takes by default where `block` is None)."""
+    from jaxmodel.moe import _block_layout, balanced_block_share, block_rows, dispatch_bounds
 
     gathered, held = ways * tokens, e // ways
     experts_tk = (np.arange(gathered)[:, None] * k + np.arange(k)) % e
@@ -347,7 +367,7 @@ def test_the_balanced_share_of_blocks_is_what_a_balanced_routing_runs(tokens, k,
     bound = dispatch_bounds(tokens, k, held, ways)[0] if ways > 1 else None
     assert ways == 1 or held * gathered * k // e <= bound  # within the first bound: the dispatch takes it
     rows = group_rows(jnp.asarray(experts_tk, jnp.int32), held, 0, bound)
-    _, block_expert, used = _block_layout(rows, block)
+    _, block_expert, used = _block_layout(rows, block or block_rows(rows.expert_a.shape[0], held))
     assert balanced_block_share(tokens, k, e, ways, block) == int(used) / block_expert.shape[0]
 
 
