@@ -10,7 +10,12 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from jaxmodel import generate, load_pretrained
-from jaxmodel.generation import _sample
+from jaxmodel.generation import Sampling, _draw
+
+
+def _sample(logits_bv, key, temperature: float, top_p: float):
+    """The sampler's draw of one token a row."""
+    return _draw(logits_bv, key, Sampling(1, temperature, top_p))[0]
 
 
 @pytest.fixture(scope="module")
