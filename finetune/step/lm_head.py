@@ -13,9 +13,11 @@ from jaxmodel.loss import chunked_token_losses, frozen_head_token_losses, token_
 
 
 def batch_token_losses(model, batch: dict[str, jax.Array], names: tuple[str, ...] = (), *, dropout_key=None,
-                       chunk: int = 0, router_stats: bool = False) -> tuple[jax.Array, ...]:
+                       chunk: int = 0, router_stats: bool = False, temperature: float = 1.0) -> tuple[jax.Array, ...]:
     """(`-log p(target)` float32 `[rows, seq]`, then `batch[name]` for each of `names`), the positions in the
     model's order; with `router_stats`, then the routing's `jaxmodel.moe.RouterStats` of the same forward pass.
+    With `temperature`, p is the softmax of the logits divided by it (a policy's sampling distribution before any
+    top-k or top-p cut): the hidden states are divided instead, which the linear head makes the same.
 
     With `chunk`, the LM head runs over chunks of at most that many positions, so `[rows, seq, vocab]` logits are
     never held at once: a frozen head (no LoRA on `lm_head`) computes each chunk's logits once
@@ -26,6 +28,8 @@ def batch_token_losses(model, batch: dict[str, jax.Array], names: tuple[str, ...
     h_btd = model.hidden_states(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
                                 dropout_key=dropout_key, router_stats=router_stats)
     h_btd, stats = h_btd if router_stats else (h_btd, None)
+    if temperature != 1.0:
+        h_btd = (h_btd / temperature).astype(h_btd.dtype)
     arrays = [batch["targets"], *(batch[name] for name in names)]
     rules = model.rules
     order = model.sequence_order(h_btd.shape[1])

@@ -1,6 +1,6 @@
 """The jit-compiled train and eval steps: masked next-token loss (or a preference objective,
-`finetune.step.preference`), gradients for LoRA parameters only, gradient accumulation over micro-batches, and the
-optax update."""
+`finetune.step.preference`, or a policy-gradient one on sampled completions, `finetune.step.policy`), gradients
+for LoRA parameters only, gradient accumulation over micro-batches, and the optax update."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from finetune.config import TrainConfig
 from finetune.step.lm_head import batch_token_losses
+from finetune.step.policy import PolicyObjective, micro_batch_loss
+from finetune.step.policy import token_losses as policy_token_losses
 from finetune.step.preference import Objective, pair_losses, sequence_sums, token_logps
 from jaxmodel import scopes
 from jaxmodel.layers import LoRAParam
@@ -124,6 +126,35 @@ def summed_over_micro_batches(loss_fn, lora: nnx.State, batch: dict[str, jax.Arr
     (grads, loss_sum, aux), _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0), aux_zeros),
                                              (micro_batches(batch, grad_accum), keys))
     return loss_sum, aux, grads
+
+
+def policy_loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, batch: dict[str, jax.Array],
+                          objective: PolicyObjective, slots: int, sequences: int, grad_accum: int = 1,
+                          dropout_key=None, loss_chunk: int = 0):
+    """(loss, trained tokens, d loss / d LoRA, {metric: mean over the trained tokens, or the completions}) of a
+    rollout batch (`finetune.step.policy`) of `sequences` completions, at most `slots` a micro-batch, in `grad_accum`
+    micro-batches: the sum of each micro-batch's share (`policy.micro_batch_loss`), which does not depend on the split
+    for grpo, dr_grpo and dapo (bnpo averages each micro-batch's token mean, as TRL's accumulation does)."""
+    tokens = jnp.sum(batch["loss_mask"])
+    names = ("loss_mask", "sequence", "advantage") + tuple(k for k in ("old_logps", "ref_logps") if k in batch)
+    metric_names = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean") + (
+        ("kl",) if objective.beta else ())
+
+    def micro_loss(lora, micro, key):  # (loss share, metric sums over the trained tokens)
+        model = nnx.merge(graphdef, base, lora)
+        losses_bt, *arrays = batch_token_losses(model, micro, names, dropout_key=key, chunk=loss_chunk,
+                                                temperature=objective.temperature)
+        ordered = dict(zip(names, arrays))
+        per_token, metrics = policy_token_losses(objective, -losses_bt, ordered, slots)
+        mask_bt = ordered["loss_mask"].astype(jnp.float32)
+        share = micro_batch_loss(objective, per_token, ordered, slots, sequences, tokens, grad_accum)
+        return share, {name: jnp.sum(metrics[name] * mask_bt) for name in metric_names}
+
+    loss, sums, grads = summed_over_micro_batches(micro_loss, lora, batch, grad_accum, dropout_key,
+                                                  {name: jnp.float32(0) for name in metric_names})
+    per_sequence = objective.importance_sampling_level == "sequence"  # clip ratios over completions, as TRL's
+    return loss, tokens, grads, {name: v / (sequences if per_sequence and name.startswith("clip_ratio/")
+                                            else jnp.maximum(tokens, 1.0)) for name, v in sums.items()}
 
 
 def micro_batches(batch: dict[str, jax.Array], grad_accum: int) -> dict[str, jax.Array]:

@@ -1,0 +1,195 @@
+"""Policy-gradient objectives (finetune.step.policy) against TRL 1.16's GRPOTrainer: its loss and LoRA gradients on
+fixed prompts, completions, advantages and old and reference log-probabilities, for every loss type at the token and
+the sequence level (GSPO), where the ratios fall outside the clip range on both sides, the advantages take both signs,
+the adapter is nonzero and `beta` > 0 (at a first iteration the ratio is 1 and none of that could fail), the KL
+weighed by the ratio as TRL's default `use_bias_correction_kl` does; and the advantages TRL computes from rewards."""
+
+import numpy as np
+import pytest
+import torch
+
+from finetune.step.policy import PolicyObjective, group_advantages
+
+B, P, C = 4, 3, 5  # completions, prompt tokens, completion tokens
+COMPLETION_MASK = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]])
+ADVANTAGES = np.array([1.0, -0.5, 0.7, -1.2], np.float32)
+
+
+@pytest.fixture(scope="module")
+def trl_case(tiny_checkpoint, tmp_path_factory):
+    """A PEFT model of the tiny Llama (q_proj and v_proj, random A and B), a GRPOTrainer around it, and fixed
+    inputs: prompts, completions, their masks and advantages; the old and reference log-probabilities are the
+    policy's own moved by up to +-0.6 (ratios from 0.55 to 1.8 against a clip range of [0.8, 1.3])."""
+    from datasets import Dataset
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                  init_lora_weights=False))
+    adapter = tmp_path_factory.mktemp("policy") / "adapter"
+    peft_model.save_pretrained(adapter)
+    rng = np.random.default_rng(0)
+    prompt_ids = rng.integers(6, 512, (B, P))
+    completion_ids = rng.integers(6, 512, (B, C))
+    args = dict(output_dir=str(adapter.parent / "trl"), per_device_train_batch_size=B, num_generations=2,
+                max_completion_length=C, report_to=[], use_cpu=True, bf16=False, temperature=0.7)
+    with torch.no_grad():
+        ids = torch.tensor(np.concatenate([prompt_ids, completion_ids], axis=1))
+        logits = peft_model(ids).logits[:, P - 1:-1] / 0.7
+        logps = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion_ids)[..., None])[..., 0].numpy()
+    shift = lambda: rng.choice([-0.6, -0.3, 0.3, 0.6], (B, C)).astype(np.float32)  # noqa: E731
+    inputs = dict(prompt_ids=prompt_ids, completion_ids=completion_ids, old=logps + shift(), ref=logps + shift())
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+
+    def trl_loss_and_grads(**config):  # on a model of its own: a trainer patches it (its LM head, a "ref" adapter)
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_checkpoint,
+                                                                                    dtype=torch.float32),
+                                               adapter, is_trainable=True)
+        trainer = GRPOTrainer(model=peft_model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                              args=GRPOConfig(**args, **config), processing_class=tokenizer,
+                              train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}))
+        trainer.current_gradient_accumulation_steps = 1
+        peft_model.zero_grad()
+        loss = trainer._compute_loss(peft_model, {
+            "prompt_ids": torch.tensor(prompt_ids), "prompt_mask": torch.ones(B, P, dtype=torch.long),
+            "completion_ids": torch.tensor(completion_ids), "completion_mask": torch.tensor(COMPLETION_MASK),
+            "advantages": torch.tensor(ADVANTAGES), "old_per_token_logps": torch.tensor(inputs["old"]),
+            "ref_per_token_logps": torch.tensor(inputs["ref"]),
+            "num_items_in_batch": torch.tensor(float(COMPLETION_MASK.sum()))})
+        loss.backward()
+        grads = {k.replace(".default", ""): p.grad.numpy().copy() for k, p in peft_model.named_parameters()
+                 if p.requires_grad}
+        metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+        return float(loss), grads, metrics
+
+    ratios = np.exp(logps - inputs["old"])[COMPLETION_MASK == 1]
+    assert (ratios < 0.8).any() and (ratios > 1.3).any()
+    return adapter, inputs, trl_loss_and_grads
+
+
+def rollout_batch(inputs: dict, grad_accum: int = 1) -> dict[str, np.ndarray]:
+    """The inputs as a rollout batch (finetune.step.policy): one row a completion, prompt then completion, each
+    target token's slot (within its micro-batch of `grad_accum`: rows k, k + accum, ...), advantage and old and
+    reference log-probabilities at the position that predicts it."""
+    ids = np.concatenate([inputs["prompt_ids"], inputs["completion_ids"]], axis=1).astype(np.int32)
+    rows, t = ids.shape
+    targets = np.concatenate([ids[:, 1:], np.zeros((rows, 1), np.int32)], axis=1)
+    mask = np.zeros((rows, t), np.float32)
+    mask[:, P - 1:P - 1 + C] = COMPLETION_MASK
+    real = np.concatenate([np.ones((rows, P)), COMPLETION_MASK], axis=1).astype(np.int32)
+    at_targets = lambda x: np.pad(x.astype(np.float32), ((0, 0), (P - 1, 1)))  # noqa: E731
+    return {"input_ids": ids, "targets": targets, "loss_mask": mask, "segment_ids": real,
+            "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (rows, t)).copy(),
+            "sequence": np.where(mask > 0, np.arange(rows)[:, None] // grad_accum, -1).astype(np.int32),
+            "advantage": np.where(mask > 0, ADVANTAGES[:, None], 0.0).astype(np.float32),
+            "old_logps": at_targets(inputs["old"]), "ref_logps": at_targets(inputs["ref"])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_the_loss_and_lora_gradients_are_trls(trl_case, tiny_converted, loss_type, level):
+    import jax
+    import jax.numpy as jnp
+
+    from finetune.step.train_step import policy_loss_and_grads, split_model
+    from jaxmodel import load_pretrained
+    from jaxmodel.formats.peft_adapter import load_peft_adapter, peft_tensors
+
+    adapter, inputs, trl_loss_and_grads = trl_case
+    config = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.1, epsilon=0.2, epsilon_high=0.3)
+    expected, theirs, trl_metrics = trl_loss_and_grads(**config)
+    objective = PolicyObjective(**config, max_completion_length=C, temperature=0.7)
+    model = load_peft_adapter(load_pretrained(tiny_converted), adapter)
+    graphdef, lora, base = split_model(model)
+    batch = {k: jnp.asarray(v) for k, v in rollout_batch(inputs).items()}
+    loss, tokens, grads, metrics = jax.jit(
+        lambda lora, base, batch: policy_loss_and_grads(graphdef, lora, base, batch, objective, B, B))(
+        lora, base, batch)
+    assert float(tokens) == COMPLETION_MASK.sum()
+    assert abs(float(loss) - expected) <= 1e-5 * max(1.0, abs(expected)), (float(loss), expected)
+    ours = peft_tensors(grads, model.config)
+    assert sorted(ours) == sorted(theirs)
+    for name, grad in ours.items():
+        scale = np.abs(theirs[name]).max()
+        assert scale > 0, name
+        np.testing.assert_allclose(grad, theirs[name], rtol=0, atol=1e-4 * max(1.0, scale), err_msg=name)
+    for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl"):
+        assert abs(float(metrics[name]) - trl_metrics[name]) <= 1e-5 * max(1.0, abs(trl_metrics[name])), name
+    if level == "token":
+        assert 0 < trl_metrics["clip_ratio/low_mean"] and 0 < trl_metrics["clip_ratio/high_mean"]
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_advantages_are_trls(scale_rewards):
+    """Two reward functions weighted, one not applicable (None: NaN) to some completions and to every function of
+    one completion; a group whose rewards are all equal; against TRL's own computation."""
+    rewards = np.array([[1.0, 0.5], [0.0, np.nan], [2.0, 1.0], [np.nan, np.nan], [0.3, 0.3], [0.3, 0.3],
+                        [1.5, np.nan], [-1.0, 0.25]], np.float32)
+    weights = np.array([1.0, 0.5], np.float32)
+    got, zero_spread = group_advantages(rewards, weights, 2, scale_rewards)
+    expected, expected_zero = trl_advantages(rewards, weights, 2, scale_rewards)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(zero_spread, expected_zero)
+    assert got[3] == 0 and (got[4:6] == 0).all() and (got != 0).sum() >= 4
+
+
+def trl_advantages(rewards: np.ndarray, weights: np.ndarray, num_generations: int, scale_rewards: str):
+    """TRL 1.16's advantages (GRPOTrainer._generate_and_score_completions, sum_then_normalize), in torch."""
+    from trl.trainer.utils import nanstd
+
+    per_func, w = torch.tensor(rewards), torch.tensor(weights)
+    unscorable = torch.isnan(per_func).all(dim=1)
+    total = (per_func * w.unsqueeze(0)).nansum(dim=1)
+    total[unscorable] = torch.nan
+    mean = torch.nanmean(total.view(-1, num_generations), dim=1).repeat_interleave(num_generations, dim=0)
+    if scale_rewards == "batch":
+        std = nanstd(total).expand_as(total)
+    else:
+        std = nanstd(total.view(-1, num_generations), dim=1).repeat_interleave(num_generations, dim=0)
+    advantages = total - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0).numpy(), torch.isclose(std, torch.zeros_like(std)).numpy()
+
+
+@pytest.mark.slow
+def test_micro_batches_split_the_loss_as_trls_accumulation_does(trl_case, tiny_converted):
+    """Two micro-batches: grpo, dr_grpo and dapo give the one-batch loss and gradients; bnpo the mean of the two
+    micro-batches' own token means (TRL's per-micro-batch normaliser)."""
+    import jax
+    import jax.numpy as jnp
+
+    from finetune.step.train_step import policy_loss_and_grads, split_model
+    from jaxmodel import load_pretrained
+    from jaxmodel.formats.peft_adapter import load_peft_adapter
+
+    adapter, inputs, _ = trl_case
+    graphdef, lora, base = split_model(load_peft_adapter(load_pretrained(tiny_converted), adapter))
+
+    def run(loss_type, batch, accum, sequences=B):
+        objective = PolicyObjective(loss_type, beta=0.1, max_completion_length=C, temperature=0.7)
+        return jax.jit(lambda lora, base, batch: policy_loss_and_grads(
+            graphdef, lora, base, batch, objective, sequences // accum, sequences, accum))(lora, base, batch)
+
+    whole = {k: jnp.asarray(v) for k, v in rollout_batch(inputs).items()}
+    split = {k: jnp.asarray(v) for k, v in rollout_batch(inputs, 2).items()}
+    for loss_type in ("grpo", "dr_grpo", "dapo", "bnpo"):
+        loss, _, grads, _ = run(loss_type, split, 2)
+        if loss_type == "bnpo":
+            halves = [run(loss_type, {k: v[np.array(rows)] for k, v in split.items()}, 1, 2)
+                      for rows in ([0, 2], [1, 3])]
+            expected = (sum(h[0] for h in halves) / 2, jax.tree.map(lambda a, b: (a + b) / 2, halves[0][2],
+                                                                   halves[1][2]))
+            assert abs(float(run(loss_type, whole, 1)[0]) - float(expected[0])) > 1e-4  # the split matters
+        else:
+            one = run(loss_type, whole, 1)
+            expected = (one[0], one[2])
+        assert abs(float(loss) - float(expected[0])) <= 1e-6, loss_type
+        for (path, g), (_, e) in zip(jax.tree_util.tree_leaves_with_path(grads),
+                                     jax.tree_util.tree_leaves_with_path(expected[1])):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=0, atol=1e-6 * max(1.0, np.abs(e).max()),
+                                       err_msg=f"{loss_type} {path}")
