@@ -73,6 +73,38 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *, q_segm
     return xla_attention(q_btnh, k_bskh, v_bskh, visible_bts, dtype=dtype, causal_blocks=aligned, scale=scale)
 
 
+def cached_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, k_cache_bksh: jax.Array,
+                     v_cache_bksh: jax.Array, *, mask_bts: jax.Array, q_offset, window=None, dtype=None,
+                     scale: float | None = None, impl: str = "xla") -> jax.Array:
+    """Causal attention `[b, t, n, h]` of `t` new tokens at cache slots `[q_offset, q_offset + t)` over the cache's
+    slots before them (`[b, k, s, h]`, read as they are: the new tokens' keys and values are written into the
+    cache afterwards, by the caller) and over the new tokens themselves (`[b, t, k, h]`): both parts' float32
+    scores in one softmax. `mask_bts` marks the slots holding real tokens (False for left padding); `window` as
+    in `attention`. Writing the new tokens into a layer's cache before attending copied the layer's whole cache at
+    each decode step."""
+    if impl != "xla":
+        raise ValueError(f"attention over a KV cache takes the xla path, got {impl!r}")
+    dtype = q_btnh.dtype if dtype is None else dtype
+    b, t, n, h = q_btnh.shape
+    k, s = k_cache_bksh.shape[1:3]
+    r = n // k
+    scale = h ** -0.5 if scale is None else scale
+    q_bkqh = q_btnh.astype(dtype).reshape(b, t, k, r, h).transpose(0, 2, 1, 3, 4).reshape(b, k, t * r, h)
+    k_bkth, v_bkth = (x.astype(dtype).transpose(0, 2, 1, 3) for x in (k_btkh, v_btkh))
+    slots = jnp.arange(s)
+    cached_bts = mask_bts & (_visible_by_index(jnp.arange(t), slots, q_offset, window) & (slots < q_offset))[None]
+    new_bts = jax.lax.dynamic_slice_in_dim(mask_bts, q_offset, t, axis=2) & _visible_by_index(
+        jnp.arange(t), jnp.arange(t), 0, window)[None]
+    scores_bkqs = jnp.concatenate([einsum_acc32("bkqh,bksh->bkqs", q_bkqh, k_cache_bksh.astype(dtype)),
+                                   einsum_acc32("bkqh,bkth->bkqt", q_bkqh, k_bkth)], axis=-1) * scale
+    visible_bts = jnp.concatenate([cached_bts, new_bts], axis=-1)
+    mask_bkqs = jnp.broadcast_to(visible_bts[:, None, :, None, :], (b, k, t, r, s + t)).reshape(b, k, t * r, s + t)
+    probs_bkqs = jax.nn.softmax(jnp.where(mask_bkqs, scores_bkqs, jnp.finfo(jnp.float32).min), axis=-1).astype(dtype)
+    out_bkqh = (einsum_acc32("bkqs,bksh->bkqh", probs_bkqs[..., :s], v_cache_bksh.astype(dtype))
+                + einsum_acc32("bkqt,bkth->bkqh", probs_bkqs[..., s:], v_bkth)).astype(dtype)
+    return out_bkqh.reshape(b, k, t, r, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
+
+
 def dense_mask(b: int, t: int, s: int, *, q_segment_ids=None, kv_segment_ids=None, q_offset=0,
                mask_bts=None, window=None) -> jax.Array:
     """The boolean `[b, t, s]` mask of the module docstring."""

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmodel import scopes
-from jaxmodel.attention import ATTENTION_IMPLS, attention
+from jaxmodel.attention import ATTENTION_IMPLS, attention, cached_attention
 from jaxmodel.context_parallel import context_parallel_attention, cp_order, cp_size
 from jaxmodel.config import ModelConfig
 from jaxmodel.layers import Embed, Linear, LoRAParam, QuantizedParam, RMSNorm, swiglu
@@ -53,7 +53,9 @@ def _split(key, n: int) -> list:
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer, `[l, b, s, k, h]`, filled up to the decode position."""
+    """Keys and values of every layer, `[l, b, k, s, h]` (each head's slots together, as attention's matmuls read
+    them: with the slots first, every decode step transposed each layer's whole cache), filled up to the decode
+    position."""
 
     k: jax.Array
     v: jax.Array
@@ -97,12 +99,13 @@ class Attention(nnx.Module):
 
 
 def _attend(q_btnh, k_btkh, v_btkh, mask: dict, kv: tuple | None, cache_index, dtype, rules: Rules):
-    """Attention over this step's keys and values, or (`kv`: the layer's cache) over the cache with them written
-    at `cache_index`; returns the output `[b, t, n, h]` and the updated cache."""
-    if kv is not None:  # write this step's keys/values into the cache and attend over all of it
-        k_btkh = jax.lax.dynamic_update_slice(kv[0], k_btkh.astype(kv[0].dtype), (0, cache_index, 0, 0))
-        v_btkh = jax.lax.dynamic_update_slice(kv[1], v_btkh.astype(kv[1].dtype), (0, cache_index, 0, 0))
-        kv = (k_btkh, v_btkh)
+    """Attention over this step's keys and values, or (`kv`: the layer's cache `[b, k, s, h]`) over the cache's
+    slots before `cache_index` and them; returns the output `[b, t, n, h]` and, with a cache, this step's keys and
+    values `[b, t, k, h]` (for the cache's slots from `cache_index` on)."""
+    if kv is not None:  # over the cache's earlier slots and these tokens; the caller writes them into the cache
+        with jax.named_scope(scopes.ATTENTION):
+            out_btnh = cached_attention(q_btnh, k_btkh, v_btkh, kv[0], kv[1], dtype=dtype, **mask)
+        return out_btnh, (k_btkh, v_btkh)
     q_btnh, k_btkh, v_btkh = (remat_name(x, "projection") for x in (q_btnh, k_btkh, v_btkh))
     attend = context_parallel_attention if "segment_ids_bt" in mask else attention
     with jax.named_scope(scopes.ATTENTION):
@@ -406,7 +409,7 @@ class CausalLM(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config
-        shape = (c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.attention_width)
+        shape = (c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.attention_width)
         return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
 
     def decode(self, input_ids, positions, key_valid, cache: KVCache, cache_index):
@@ -415,7 +418,7 @@ class CausalLM(nnx.Module):
         `key_valid` `[b, s]` marks cache slots holding real tokens (False for left padding).
         Returns float32 logits `[b, t, v]` and the updated cache.
         """
-        b, t, s = *input_ids.shape, cache.k.shape[2]
+        b, t, s = *input_ids.shape, cache.k.shape[3]
         # query i sits at slot cache_index + i and sees slots up to it (attention's q_offset)
         mask_bts = jnp.broadcast_to(key_valid.astype(bool)[:, None, :], (b, t, s))
         mask = dict(impl="xla", mask_bts=mask_bts, q_offset=cache_index)
@@ -445,30 +448,32 @@ class CausalLM(nnx.Module):
         windows = c.layer_windows()
         window_xs = np.asarray([w or FULL_WINDOW for w in windows], np.int32) if any(windows) else None
         layer_keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_hidden_layers)
-        kv_xs = None if cache is None else (cache.k, cache.v)
-        per_layer = (kv_xs, layer_keys, window_xs, local_xs)
-        kv_parts, routes, stats = [], [], []
+        layer_index = None if cache is None else np.arange(c.num_hidden_layers, dtype=np.int32)
+        per_layer = (layer_index, layer_keys, window_xs, local_xs)
+        kv = None if cache is None else (cache.k, cache.v)
+        routes, stats = [], []
         for sparse, first, count in c.layer_runs():
             stack = self.moe_layers if sparse else self.layers
             start = c.stack_layers(sparse).index(first)
             run = jax.tree.map(lambda x: x[first:first + count], per_layer)
-            h_btd, (kv_ys, experts, run_stats) = self._scan(stack, (start, count), h_btd, run, (cos_bth, sin_bth),
-                                                            local_cos_sin, mask, cache_index, act, real_bt)
-            kv_parts.append(kv_ys)
+            h_btd, kv, (experts, run_stats) = self._scan(stack, (start, count), h_btd, kv, run, (cos_bth, sin_bth),
+                                                         local_cos_sin, mask, cache_index, act, real_bt)
             routes += [] if experts is None else [experts]
             stats += [] if run_stats is None else [jax.tree.map(lambda x: jnp.sum(x, axis=0), run_stats)]
         routes = jnp.concatenate(routes) if routes else None
         stats = jax.tree.map(lambda *xs: sum(xs), *stats) if stats else None
-        if cache is None:
-            return h_btd, None, routes, stats
-        kv = KVCache(*(jnp.concatenate(parts) if len(parts) > 1 else parts[0] for parts in zip(*kv_parts)))
-        return h_btd, kv, routes, stats
+        return h_btd, None if kv is None else KVCache(*kv), routes, stats
 
-    def _scan(self, stack: "DecoderLayer", part: tuple[int, int], h_btd, per_layer, cos_sin, local_cos_sin,
+    def _scan(self, stack: "DecoderLayer", part: tuple[int, int], h_btd, kv, per_layer, cos_sin, local_cos_sin,
               mask: dict, cache_index, act, real_bt=None):
-        """Layers `[start, start + count)` of `stack` (`part`) over `h_btd`, one scan; `per_layer` their KV cache,
-        dropout keys, windows and local-RoPE flags (each None when unused). Returns the hidden states and each
-        layer's (cache, experts of each token, router stats) stacked."""
+        """Layers `[start, start + count)` of `stack` (`part`) over `h_btd`, one scan; `kv` the whole model's KV
+        cache (keys, values `[l, b, s, k, h]`, or None), `per_layer` these layers' indices in it, dropout keys,
+        windows and local-RoPE flags (each None when unused). Returns the hidden states, the cache with these
+        layers' new tokens written, and each layer's (experts of each token, router stats) stacked.
+
+        The cache crosses the scan read-only in its carry, the layers' new keys and values written into it once
+        after the scan: scanned over as per-layer values and stacked back, every decode step copied the whole cache
+        (SmolLM2-135M at 64 x 168 slots: 0.57 s a step against 0.16 s for the same forward without a cache)."""
         graphdef, lora_state, frozen_state = nnx.split(stack, LoRAParam, ...)
         start, count = part
         if count != len(self.config.stack_layers(stack.sparse)):  # a run of part of the stack: its slice
@@ -480,21 +485,30 @@ class CausalLM(nnx.Module):
         frozen_bits = jax.tree.map(_as_bits, frozen_state)
         cos_bth, sin_bth = cos_sin
 
-        def layer_step(h_btd, xs):
-            (lora, frozen), kv, key, window, local = xs
+        def layer_step(carry, xs):
+            h_btd, cache = carry
+            (lora, frozen), index, key, window, local = xs
             frozen = jax.tree.map(_from_bits, frozen, dtypes)
             h_btd = checkpoint_name(h_btd, "layer_input")
             layer_mask = mask if window is None else {**mask, "window": window}
             cos, sin = (cos_bth, sin_bth) if local is None else (
                 jnp.where(local, local_cos_sin[0], cos_bth), jnp.where(local, local_cos_sin[1], sin_bth))
+            kv = None if cache is None else tuple(jax.lax.dynamic_index_in_dim(c, index, keepdims=False)
+                                                  for c in cache)
             h_btd, kv, experts, stats = nnx.merge(graphdef, lora, frozen)(h_btd, cos, sin, layer_mask, kv, cache_index,
                                                                           key, self.mlp_chunk, self.rules, real_bt)
-            return constrain(h_btd, act, self.rules), (kv, experts, stats)
+            # this layer's new tokens' keys and values `[b, k, t, h]`, written into the cache after the scan
+            new = None if cache is None else tuple(x.astype(c.dtype).transpose(0, 2, 1, 3) for c, x in zip(cache, kv))
+            return (constrain(h_btd, act, self.rules), cache), (new, experts, stats)
 
         policy = REMAT_POLICIES[self.remat]
         if self.remat != "none":
             layer_step = jax.checkpoint(layer_step, policy=policy, prevent_cse=False)
-        return jax.lax.scan(layer_step, h_btd, ((lora_state, frozen_bits), *per_layer))
+        (h_btd, kv), (new, *ys) = jax.lax.scan(layer_step, (h_btd, kv), ((lora_state, frozen_bits), *per_layer))
+        if kv is not None:
+            first = per_layer[0][0]
+            kv = tuple(jax.lax.dynamic_update_slice(c, n, (first, 0, 0, cache_index, 0)) for c, n in zip(kv, new))
+        return h_btd, kv, tuple(ys)
 
 
 def _as_bits(x: jax.Array) -> jax.Array:

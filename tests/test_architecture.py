@@ -33,7 +33,8 @@ SUBPACKAGES = {
     "finetune.step": ("finetune.config",),
     "finetune.run": ("finetune.config", "finetune.step"),
     "finetune.planning": ("finetune.config", "finetune.step"),
-    "finetune.train": ("finetune.config", "finetune.data", "finetune.step", "finetune.run"),
+    "finetune.rollout": ("finetune.config", "finetune.step"),
+    "finetune.train": ("finetune.config", "finetune.data", "finetune.step", "finetune.run", "finetune.rollout"),
     "finetune.cli": ("finetune.config", "finetune.planning", "finetune.train"),
 }
 PACKAGES = ("jaxmodel", "converter", "finetune", "export", "demo")

@@ -359,3 +359,34 @@ def test_remat_dots_keeps_the_blockwise_output_and_runs_its_forward_loop_once(dt
     for got, want in zip(jax.jit(jax.grad(kept, argnums=(0, 1, 2)))(q, kk, v),
                          jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kk, v)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 2), k=st.sampled_from([1, 2]), r=st.sampled_from([1, 3]), t=st.integers(1, 4),
+       s_extra=st.integers(0, 5), offset=st.integers(0, 6), window=st.sampled_from([None, 2, 5]),
+       seed=st.integers(0, 2**16))
+def test_attention_over_a_cache_and_the_new_tokens_is_the_plain_path_over_them_written_in(b, k, r, t, s_extra, offset,
+                                                                                          window, seed):
+    """cached_attention (the cache's slots before the offset, read as they are, and the new tokens apart) equals
+    the plain path over the cache with the new tokens written at the offset, with left padding and windows; slots
+    past the new tokens hold garbage either way."""
+    from jaxmodel.attention import attention, cached_attention
+
+    rng = np.random.default_rng(seed)
+    h, s = 4, offset + t + s_extra
+    q = jnp.asarray(rng.standard_normal((b, t, k * r, h)), jnp.float32)
+    new_k, new_v = (jnp.asarray(rng.standard_normal((b, t, k, h)), jnp.float32) for _ in range(2))
+    cache_k, cache_v = (jnp.asarray(rng.standard_normal((b, k, s, h)), jnp.float32) for _ in range(2))
+    valid = rng.random((b, s)) < 0.8
+    valid[:, offset:offset + t] = True  # the new tokens are real
+    mask_bts = jnp.broadcast_to(jnp.asarray(valid)[:, None, :], (b, t, s))
+    written_k, written_v = (jax.lax.dynamic_update_slice(c, x.transpose(0, 2, 1, 3), (0, 0, offset, 0)).transpose(
+        0, 2, 1, 3) for c, x in ((cache_k, new_k), (cache_v, new_v)))
+    expected = attention(q, written_k, written_v, mask_bts=mask_bts, q_offset=offset, window=window)
+    got = cached_attention(q, new_k, new_v, cache_k, cache_v, mask_bts=mask_bts, q_offset=jnp.int32(offset),
+                           window=window)
+    # rows that see no key at all are garbage on both paths
+    seen = np.asarray(jnp.any(mask_bts & jnp.asarray(
+        (np.arange(s)[None, :] <= offset + np.arange(t)[:, None]) & (
+            True if window is None else offset + np.arange(t)[:, None] - np.arange(s)[None, :] < window)), axis=-1))
+    np.testing.assert_allclose(np.asarray(got)[seen], np.asarray(expected)[seen], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,105 @@
+"""Reward functions (finetune.rollout.rewards): a TRL-style function from a user's file called with TRL's keyword
+arguments, None as not applicable, the built-ins, and one-line errors naming the function and the row."""
+
+import math
+import textwrap
+
+import numpy as np
+import pytest
+
+from finetune.config import ConfigFileError
+from finetune.rollout.rewards import RewardError, TrainerState, load_reward, score
+
+STATE = TrainerState(global_step=3, max_steps=10, epoch=0.5)
+TRL_STYLE = '''
+import re
+
+def format_reward(completions, **kwargs):
+    """TRL's documented example: a <think>...</think><answer>...</answer> format check."""
+    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+    contents = [completion[0]["content"] for completion in completions]
+    return [1.0 if re.match(pattern, content) else 0.0 for content in contents]
+
+def seen(prompts, completions, completion_ids, solution, trainer_state, log_metric, **kwargs):
+    log_metric("calls", 1.0)
+    return [None if s is None else float(len(ids)) + trainer_state.global_step
+            for s, ids in zip(solution, completion_ids)]
+
+def short(completions, **kwargs):
+    return [1.0]
+
+def picky(completions, **kwargs):
+    return [1.0 / (len(c) - 3) for c in completions]
+'''
+
+
+@pytest.fixture
+def rewards_file(tmp_path):
+    path = tmp_path / "rewards.py"
+    path.write_text(textwrap.dedent(TRL_STYLE))
+    return path
+
+
+def chat(text):
+    return [{"role": "assistant", "content": text}]
+
+
+def test_a_trl_reward_function_runs_unchanged_with_trls_arguments(rewards_file):
+    logged = []
+    completions = [chat("<think>a</think><answer>4</answer>"), chat("4"), chat("<think>b</think><answer>5</answer>")]
+    got = score([load_reward(f"{rewards_file}:format_reward"), load_reward(f"{rewards_file}:seen")],
+                prompts=[[{"role": "user", "content": "2+2?"}]] * 3, completions=completions,
+                completion_ids=[[1, 2], [3], [4, 5, 6]], columns={"solution": ["4", None, "5"]}, state=STATE,
+                rows=[7, 7, 8], log_metric=lambda name, value: logged.append((name, value)))
+    assert got.dtype == np.float32 and got.shape == (3, 2)
+    np.testing.assert_array_equal(got[:, 0], [1.0, 0.0, 1.0])
+    assert got[0, 1] == 5.0 and math.isnan(got[1, 1]) and got[2, 1] == 6.0
+    assert logged == [("calls", 1.0)]
+
+
+@pytest.mark.parametrize("spec, completions, column, expected", [
+    ("equals:answer", ["  42\n", "41", chat("42")], ["42", "42", "42"], [1.0, 0.0, 1.0]),
+    ("regex:^<answer>\\d+</answer>", ["<answer>12</answer> done", "answer 12", "<answer>\n</answer>"], None,
+     [1.0, 0.0, 0.0]),
+    ("last-number:answer", ["so 3 then 1,234", "it is -2.5.", "none", "7 and 8"], ["1234", -2.5, "3", "#### 8"],
+     [1.0, 1.0, 0.0, 1.0]),
+])
+def test_the_built_in_rewards(spec, completions, column, expected):
+    columns = {} if column is None else {"answer": column}
+    got = score([load_reward(spec)], prompts=["q"] * len(completions), completions=completions,
+                completion_ids=[[1]] * len(completions), columns=columns, state=STATE, rows=range(len(completions)))
+    np.testing.assert_array_equal(got[:, 0], expected)
+
+
+def test_a_reward_returning_the_wrong_count_is_named_in_one_line(rewards_file):
+    with pytest.raises(RewardError, match=r"^reward .*rewards\.py:short: returned 1 rewards for 2 completions "
+                                          r"\(dataset row 4\)$"):
+        score([load_reward(f"{rewards_file}:short")], prompts=["a", "b"], completions=["x", "y"],
+              completion_ids=[[1], [2]], columns={}, state=STATE, rows=[4, 5])
+
+
+def test_a_reward_that_raises_names_the_first_row_it_fails_on(rewards_file):
+    """The batch fails; scored alone, the completion of dataset row 12 (length 3) is the one that divides by 0."""
+    with pytest.raises(RewardError, match=r"^reward .*:picky: ZeroDivisionError: .* \(dataset row 12\)$"):
+        score([load_reward(f"{rewards_file}:picky")], prompts=["a"] * 3, completions=["abcdef", "abc", "abcd"],
+              completion_ids=[[1]] * 3, columns={}, state=STATE, rows=[11, 12, 12])
+
+
+def test_a_built_in_naming_a_missing_column_names_it():
+    with pytest.raises(RewardError, match=r"reward equals:answer: KeyError: .*no column 'answer'.*dataset row 0"):
+        score([load_reward("equals:answer")], prompts=["a"], completions=["x"], completion_ids=[[1]],
+              columns={"solution": ["x"]}, state=STATE, rows=[0])
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("nofile.py:f", "no file nofile.py"), ("rewards", "expected path/to/file.py:function"),
+    ("{file}:absent", "defines no function 'absent'"), ("{broken}:f", "failed to load: SyntaxError"),
+    ("regex:([", "not a regular expression"), ("equals:", "name the dataset column")])
+def test_a_bad_reward_spec_is_one_line_naming_it(rewards_file, tmp_path, spec, message):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(:\n")
+    spec = spec.format(file=rewards_file, broken=broken)
+    with pytest.raises(ConfigFileError) as info:
+        load_reward(spec)
+    assert str(info.value).startswith(f"--reward {spec!r}: ") and message in str(info.value)
+    assert "\n" not in str(info.value)
