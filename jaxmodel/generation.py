@@ -88,9 +88,10 @@ def generate(model: CausalLM, input_ids, max_new_tokens: int, *, temperature: fl
 
 @partial(jax.jit, static_argnames=("graphdef", "sampling"))
 def sample_arrays(graphdef, state, ids_bt, mask_bt, key, sampling: Sampling):
-    """`sample` on device: (tokens, logprobs, lengths) as jax arrays, for callers that keep them there. The draws
-    of step i use `fold_in(key, i)`, so a row's tokens do not depend on how many steps the loop ran."""
-    model = nnx.merge(graphdef, state)
+    """`sample` on device: (tokens, logprobs, lengths) as jax arrays, for callers that keep them there; `state` the
+    model's state, or a tuple of states (a run's LoRA and frozen parts) merged with `graphdef`. The draws of step i
+    use `fold_in(key, i)`, so a row's tokens do not depend on how many steps the loop ran."""
+    model = nnx.merge(graphdef, *state) if isinstance(state, tuple) else nnx.merge(graphdef, state)
     b, t = ids_bt.shape
     n = sampling.max_new_tokens
     cache = model.init_cache(b, t + n)

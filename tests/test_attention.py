@@ -361,7 +361,7 @@ def test_remat_dots_keeps_the_blockwise_output_and_runs_its_forward_loop_once(dt
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(b=st.integers(1, 2), k=st.sampled_from([1, 2]), r=st.sampled_from([1, 3]), t=st.integers(1, 4),
        s_extra=st.integers(0, 5), offset=st.integers(0, 6), window=st.sampled_from([None, 2, 5]),
        seed=st.integers(0, 2**16))

@@ -193,3 +193,102 @@ def test_micro_batches_split_the_loss_as_trls_accumulation_does(trl_case, tiny_c
                                      jax.tree_util.tree_leaves_with_path(expected[1])):
             np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=0, atol=1e-6 * max(1.0, np.abs(e).max()),
                                        err_msg=f"{loss_type} {path}")
+
+
+@pytest.fixture(scope="module")
+def trl_rloo(trl_case, tiny_checkpoint):
+    """TRL's RLOOTrainer loss and LoRA gradients on trl_case's inputs: its old log-probability a completion's sum of
+    the old per-token ones over its mask."""
+    from datasets import Dataset
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import RLOOConfig, RLOOTrainer
+
+    adapter, inputs, _ = trl_case
+
+    def loss_and_grads(**config):
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_checkpoint,
+                                                                                    dtype=torch.float32),
+                                               adapter, is_trainable=True)
+        trainer = RLOOTrainer(model=peft_model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                              args=RLOOConfig(output_dir=str(adapter.parent / "rloo"), per_device_train_batch_size=B,
+                                              num_generations=2, max_completion_length=C, report_to=[],
+                                              use_cpu=True, bf16=False, temperature=0.7, **config),
+                              processing_class=AutoTokenizer.from_pretrained(tiny_checkpoint),
+                              train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}))
+        peft_model.zero_grad()
+        loss = trainer._compute_loss(peft_model, {
+            "prompt_ids": torch.tensor(inputs["prompt_ids"]), "prompt_mask": torch.ones(B, P, dtype=torch.long),
+            "completion_ids": torch.tensor(inputs["completion_ids"]),
+            "completion_mask": torch.tensor(COMPLETION_MASK), "advantages": torch.tensor(ADVANTAGES),
+            "old_logps": torch.tensor((inputs["old"] * COMPLETION_MASK).sum(1))})
+        loss.backward()
+        grads = {k.replace(".default", ""): p.grad.numpy().copy() for k, p in peft_model.named_parameters()
+                 if p.requires_grad}
+        return float(loss), grads, {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    return loss_and_grads
+
+
+@pytest.mark.slow
+def test_rloos_loss_and_lora_gradients_are_trls(trl_case, trl_rloo, tiny_converted):
+    """RLOO's ratio is a completion's summed log-ratio (here from 0.1 to 9.6: clipped on both sides), its loss the
+    mean over completions, its KL in the rewards (so none in the loss, whatever beta)."""
+    import jax
+    import jax.numpy as jnp
+
+    from finetune.step.train_step import policy_loss_and_grads, split_model
+    from jaxmodel import load_pretrained
+    from jaxmodel.formats.peft_adapter import load_peft_adapter, peft_tensors
+
+    adapter, inputs, _ = trl_case
+    expected, theirs, trl_metrics = trl_rloo(epsilon=0.2, epsilon_high=0.3, beta=0.05)
+    objective = PolicyObjective("rloo", epsilon=0.2, epsilon_high=0.3, beta=0.05, temperature=0.7)
+    model = load_peft_adapter(load_pretrained(tiny_converted), adapter)
+    graphdef, lora, base = split_model(model)
+    batch = {k: jnp.asarray(v) for k, v in rollout_batch(inputs).items()}
+    loss, _, grads, metrics = jax.jit(lambda lora, base, batch: policy_loss_and_grads(
+        graphdef, lora, base, batch, objective, B, B))(lora, base, batch)
+    assert abs(float(loss) - expected) <= 1e-5 * max(1.0, abs(expected)), (float(loss), expected)
+    ours = peft_tensors(grads, model.config)
+    for name, grad in ours.items():
+        np.testing.assert_allclose(grad, theirs[name], rtol=0, atol=1e-4 * max(1.0, np.abs(theirs[name]).max()),
+                                   err_msg=name)
+    for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        assert abs(float(metrics[name]) - trl_metrics[name]) <= 1e-6, name
+    assert trl_metrics["clip_ratio/low_mean"] > 0 and trl_metrics["clip_ratio/high_mean"] > 0 and "kl" not in metrics
+
+
+@pytest.mark.parametrize("normalize, clip_range", [(False, None), (True, (-0.5, 1.8))])
+def test_rloos_leave_one_out_advantages_are_trls(normalize, clip_range):
+    """Groups of three with None rewards (a group with one scorable completion gets 0), the KL penalty in the
+    rewards, clipped and normalised or not: against TRL's own computation."""
+    from finetune.step.policy import leave_one_out_advantages
+
+    rewards = np.array([[1.0, 0.5], [0.0, np.nan], [2.0, 1.0], [np.nan, np.nan], [0.3, np.nan], [np.nan, np.nan],
+                        [1.5, 0.2], [-1.0, 0.25], [0.7, 0.7]], np.float32)
+    weights, kl = np.array([1.0, 0.5], np.float32), np.linspace(-0.4, 0.8, 9).astype(np.float32)
+    got = leave_one_out_advantages(rewards, weights, 3, kl, 0.05, normalize, clip_range)
+    np.testing.assert_allclose(got, trl_rloo_advantages(rewards, weights, 3, kl, 0.05, normalize, clip_range),
+                               rtol=1e-6, atol=1e-6)
+    assert got[3] == 0 and got[4] == 0 and got[5] == 0 and (got != 0).sum() >= 5
+
+
+def trl_rloo_advantages(rewards, weights, num_generations, kl, beta, normalize, clip_range):
+    """TRL 1.16's RLOO advantages (RLOOTrainer._generate_and_score_completions), in torch."""
+    from trl.trainer.utils import nanstd
+
+    per_func = torch.tensor(rewards)
+    unscorable = torch.isnan(per_func).all(dim=1)
+    total = (per_func * torch.tensor(weights).unsqueeze(0)).nansum(dim=1)
+    total[unscorable] = torch.nan
+    if clip_range:
+        total = total.clamp(min=clip_range[0], max=clip_range[1])
+    total = total - beta * torch.tensor(kl)
+    grouped = total.view(-1, num_generations)
+    counts = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    baselines = ((torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (counts - 1)).view(-1)
+    advantages = total - baselines
+    if normalize:
+        advantages = (advantages - torch.nanmean(advantages)) / (nanstd(advantages) + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0).numpy()

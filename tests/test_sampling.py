@@ -178,3 +178,29 @@ def test_top_k_and_min_p_keep_what_transformers_warpers_keep(temperature, top_k,
 def test_bad_sampling_is_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         Sampling(**{"max_new_tokens": 4, **fields})
+
+
+@pytest.mark.slow
+def test_the_sampler_on_the_training_mesh_draws_what_one_device_draws(adapted):
+    """The model's weights and adapter laid out over dp=2, fsdp=2, mp=2 by the training rules, the prompts over the
+    batch axes: the same tokens (greedy and sampled from the same key) and log-probabilities (2e-5)."""
+    from finetune.step.mesh import make_mesh
+    from jaxmodel.generation import sample_arrays
+    from jaxmodel.sharding import named_sharding, variable_sharding
+
+    ids, mask = left_padded_prompts()
+    ids, mask = np.tile(ids, (4, 1)), np.tile(mask, (4, 1))  # 12 rows: over the 4 batch devices
+    graphdef, state = nnx.split(adapted)
+    mesh = make_mesh("dp=2,fsdp=2,cp=1,mp=2")
+    placed = jax.tree.map(lambda v: v.replace(jax.device_put(v[...], variable_sharding(v, mesh))), state,
+                          is_leaf=lambda v: isinstance(v, nnx.Variable))
+    assert any(len(set(leaf.sharding.spec) - {None}) > 0 for leaf in jax.tree.leaves(placed))
+    for sampling in (Sampling(8, 0.0, pad=5), Sampling(8, 0.9, top_p=0.95, pad=5)):
+        one = sample_arrays(graphdef, state, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(2), sampling)
+        with jax.set_mesh(mesh):
+            rows = named_sharding(("act_batch", None), ids.shape, mesh)
+            got = sample_arrays(graphdef, placed, jax.device_put(ids, rows), jax.device_put(mask, rows),
+                                jax.random.key(2), sampling)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(one[0]))
+        np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(one[2]))
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(one[1]), rtol=0, atol=2e-5)

@@ -1,6 +1,6 @@
-"""Policy-gradient objectives on sampled completions (GRPO and its loss types, GSPO's sequence-level ratio), as TRL
-1.16's `GRPOTrainer` computes them: the advantages of a generation batch from its rewards, and the clipped surrogate
-loss with the k3 KL to a reference.
+"""Policy-gradient objectives on sampled completions (GRPO and its loss types, GSPO's sequence-level ratio, RLOO), as
+TRL 1.16's `GRPOTrainer` and `RLOOTrainer` compute them: the advantages of a generation batch from its rewards, and
+the clipped surrogate loss with (GRPO) the k3 KL to a reference.
 
 A rollout batch holds, besides the SFT arrays (`targets`, `loss_mask` on the completion tokens), per target token:
 `sequence` (the completion's slot within its micro-batch, -1 on padding), `advantage` (its completion's advantage),
@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+# GRPOTrainer's loss types, and "rloo": RLOOTrainer's (its ratio a completion's summed log-ratio, its loss the mean
+# over completions; its KL to the reference is in the rewards, `leave_one_out_advantages`, not the loss)
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "rloo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -84,6 +86,35 @@ def group_advantages(rewards_per_function: np.ndarray, weights: np.ndarray, num_
     return np.nan_to_num(advantages, nan=0.0).astype(np.float32), np.isclose(std, 0.0)
 
 
+def leave_one_out_advantages(rewards_per_function: np.ndarray, weights: np.ndarray, num_generations: int,
+                             kl: np.ndarray | None = None, beta: float = 0.0, normalize: bool = False,
+                             clip_range: tuple[float, float] | None = None) -> np.ndarray:
+    """RLOO's advantages `[n]` (TRL 1.16's `RLOOTrainer`): each completion's weighted reward (clipped to
+    `clip_range`; minus `beta` times its `kl`, the sum over its tokens of old minus reference log-probabilities)
+    minus the mean of its group's other scorable completions' rewards; with `normalize`, then standardised over the
+    batch; 0 for a completion no function scores or the only scorable one of its group."""
+    per_function = np.asarray(rewards_per_function, np.float32)
+    unscorable = np.isnan(per_function).all(axis=1)
+    rewards = np.nansum(per_function * np.asarray(weights, np.float32)[None, :], axis=1, dtype=np.float32)
+    rewards[unscorable] = np.nan
+    if clip_range is not None:
+        rewards = np.clip(rewards, *clip_range)
+    if beta:
+        rewards = rewards - np.float32(beta) * np.asarray(kl, np.float32)
+    grouped = rewards.reshape(-1, num_generations)
+    with warnings.catch_warnings():  # a group with one scorable completion: 0 / 0
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if num_generations > 1:
+            scorable = np.sum(~np.isnan(grouped), axis=1, keepdims=True)
+            baselines = (np.nansum(grouped, axis=1, keepdims=True) - grouped) / (scorable - 1)
+            advantages = (grouped - baselines).reshape(-1).astype(np.float32)
+        else:
+            advantages = np.zeros_like(rewards)
+        if normalize:
+            advantages = (advantages - np.nanmean(advantages)) / (_nanstd(advantages) + np.float32(1e-4))
+    return np.nan_to_num(advantages, nan=0.0).astype(np.float32)
+
+
 def _nanstd(x: np.ndarray, axis=None) -> np.ndarray:
     """TRL's `nanstd`: over the non-NaN values, with Bessel's correction (NaN for fewer than two)."""
     variance = np.nanmean((x - np.nanmean(x, axis=axis, keepdims=True)) ** 2, axis=axis)
@@ -105,10 +136,11 @@ def token_losses(objective: PolicyObjective, logp_bt: jax.Array, micro: dict[str
     old_bt = micro.get("old_logps")
     old_bt = jax.lax.stop_gradient(logp_bt) if old_bt is None else old_bt
     log_ratio_bt = logp_bt - old_bt
-    per_sequence = objective.importance_sampling_level == "sequence"
+    rloo = objective.loss_type == "rloo"
+    per_sequence = rloo or objective.importance_sampling_level == "sequence"
     if per_sequence:
         sums, counts = _slot_sums(log_ratio_bt * mask_bt, mask_bt, micro["sequence"], slots)
-        log_ratio_bt = _at_tokens(sums / jnp.maximum(counts, 1.0), micro["sequence"])
+        log_ratio_bt = _at_tokens(sums if rloo else sums / jnp.maximum(counts, 1.0), micro["sequence"])
         token_share_bt = 1.0 / jnp.maximum(_at_tokens(counts, micro["sequence"]), 1.0)
     ratio_bt = jnp.exp(log_ratio_bt)
     low, high = objective.clip_range
@@ -119,7 +151,7 @@ def token_losses(objective: PolicyObjective, logp_bt: jax.Array, micro: dict[str
     metrics["clip_ratio/region_mean"] = jnp.maximum(metrics["clip_ratio/low_mean"], metrics["clip_ratio/high_mean"])
     if per_sequence:  # one ratio a completion: its clipping counted once (each token a 1 / length share)
         metrics = {name: v * token_share_bt for name, v in metrics.items()}
-    if objective.beta:
+    if objective.beta and not rloo:
         delta_bt = micro["ref_logps"] - logp_bt
         kl_bt = jnp.exp(delta_bt) - delta_bt - 1
         if objective.use_bias_correction_kl:
@@ -138,7 +170,7 @@ def micro_batch_loss(objective: PolicyObjective, losses_bt: jax.Array, micro: di
     whole batch."""
     mask_bt = micro["loss_mask"].astype(jnp.float32)
     masked = losses_bt * mask_bt
-    if objective.loss_type == "grpo":
+    if objective.loss_type in ("grpo", "rloo"):  # rloo's per-token losses are its completion's loss at each token
         sums, counts = _slot_sums(masked, mask_bt, micro["sequence"], slots)
         return jnp.sum(sums / jnp.maximum(counts, 1.0)) / sequences
     if objective.loss_type == "bnpo":

@@ -138,7 +138,7 @@ def policy_loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, batch: dic
     tokens = jnp.sum(batch["loss_mask"])
     names = ("loss_mask", "sequence", "advantage") + tuple(k for k in ("old_logps", "ref_logps") if k in batch)
     metric_names = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean") + (
-        ("kl",) if objective.beta else ())
+        ("kl",) if objective.beta and objective.loss_type != "rloo" else ())
 
     def micro_loss(lora, micro, key):  # (loss share, metric sums over the trained tokens)
         model = nnx.merge(graphdef, base, lora)
@@ -152,7 +152,7 @@ def policy_loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, batch: dic
 
     loss, sums, grads = summed_over_micro_batches(micro_loss, lora, batch, grad_accum, dropout_key,
                                                   {name: jnp.float32(0) for name in metric_names})
-    per_sequence = objective.importance_sampling_level == "sequence"  # clip ratios over completions, as TRL's
+    per_sequence = objective.importance_sampling_level == "sequence" or objective.loss_type == "rloo"
     return loss, tokens, grads, {name: v / (sequences if per_sequence and name.startswith("clip_ratio/")
                                             else jnp.maximum(tokens, 1.0)) for name, v in sums.items()}
 
