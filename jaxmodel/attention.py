@@ -84,6 +84,10 @@ def cached_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, k_
     each decode step."""
     if impl != "xla":
         raise ValueError(f"attention over a KV cache takes the xla path, got {impl!r}")
+    t = q_btnh.shape[1]
+    if isinstance(q_offset, int) and q_offset == 0:  # a prefill: no earlier slot, so the new tokens alone
+        return attention(q_btnh, k_btkh, v_btkh, mask_bts=mask_bts[:, :, :t], window=window, dtype=dtype,
+                         scale=scale)
     dtype = q_btnh.dtype if dtype is None else dtype
     b, t, n, h = q_btnh.shape
     k, s = k_cache_bksh.shape[1:3]

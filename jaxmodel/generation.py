@@ -97,7 +97,7 @@ def sample_arrays(graphdef, state, ids_bt, mask_bt, key, sampling: Sampling):
     cache = model.init_cache(b, t + n)
     positions_bt = jnp.maximum(jnp.cumsum(mask_bt, axis=1) - 1, 0)
     key_valid_bs = jnp.concatenate([mask_bt, jnp.ones((b, n), mask_bt.dtype)], axis=1)
-    logits_btv, cache = model.decode(ids_bt, positions_bt, key_valid_bs, cache, 0)
+    logits_b1v, cache = model.decode(ids_bt, positions_bt, key_valid_bs, cache, 0, last_only=True)
     eos_ids = jnp.asarray(sampling.eos or (-1,), jnp.int32)
 
     def pick(logits_bv, i, tokens_bn, logprobs_bn, lengths_b):
@@ -112,7 +112,7 @@ def sample_arrays(graphdef, state, ids_bt, mask_bt, key, sampling: Sampling):
     tokens_bn = jnp.full((b, n), sampling.pad, jnp.int32)
     logprobs_bn = jnp.zeros((b, n), jnp.float32)
     lengths_b = jnp.full((b,), n, jnp.int32)  # until a row stops
-    tokens_bn, logprobs_bn, lengths_b = pick(logits_btv[:, -1], 0, tokens_bn, logprobs_bn, lengths_b)
+    tokens_bn, logprobs_bn, lengths_b = pick(logits_b1v[:, 0], 0, tokens_bn, logprobs_bn, lengths_b)
 
     def more(carry):
         i, lengths_b = carry[0], carry[-1]

@@ -390,3 +390,24 @@ def test_attention_over_a_cache_and_the_new_tokens_is_the_plain_path_over_them_w
         (np.arange(s)[None, :] <= offset + np.arange(t)[:, None]) & (
             True if window is None else offset + np.arange(t)[:, None] - np.arange(s)[None, :] < window)), axis=-1))
     np.testing.assert_allclose(np.asarray(got)[seen], np.asarray(expected)[seen], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_a_prefill_over_an_empty_cache_attends_over_its_own_tokens_alone(window):
+    """cached_attention at the static offset 0 (a prefill) skips the cache and equals its traced-offset path, with
+    left padding."""
+    from jaxmodel.attention import cached_attention
+
+    rng = np.random.default_rng(5)
+    b, t, k, r, h, s = 2, 5, 2, 2, 4, 9
+    q = jnp.asarray(rng.standard_normal((b, t, k * r, h)), jnp.float32)
+    new_k, new_v = (jnp.asarray(rng.standard_normal((b, t, k, h)), jnp.float32) for _ in range(2))
+    cache_k, cache_v = (jnp.asarray(rng.standard_normal((b, k, s, h)), jnp.float32) for _ in range(2))
+    valid = np.ones((b, s), bool)
+    valid[1, :2] = False  # row 1's prompt left-padded by two
+    mask_bts = jnp.broadcast_to(jnp.asarray(valid)[:, None, :], (b, t, s))
+    static = cached_attention(q, new_k, new_v, cache_k, cache_v, mask_bts=mask_bts, q_offset=0, window=window)
+    traced = jax.jit(lambda offset: cached_attention(q, new_k, new_v, cache_k, cache_v, mask_bts=mask_bts,
+                                                     q_offset=offset, window=window))(jnp.int32(0))
+    np.testing.assert_allclose(np.asarray(static)[0], np.asarray(traced)[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(static)[1, 2:], np.asarray(traced)[1, 2:], rtol=1e-5, atol=1e-6)
