@@ -89,7 +89,7 @@ def cached_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, k_
         return attention(q_btnh, k_btkh, v_btkh, mask_bts=mask_bts[:, :, :t], window=window, dtype=dtype,
                          scale=scale)
     dtype = q_btnh.dtype if dtype is None else dtype
-    b, t, n, h = q_btnh.shape
+    b, _, n, h = q_btnh.shape
     k, s = k_cache_bksh.shape[1:3]
     r = n // k
     scale = h ** -0.5 if scale is None else scale

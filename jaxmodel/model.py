@@ -471,7 +471,7 @@ class CausalLM(nnx.Module):
     def _scan(self, stack: "DecoderLayer", part: tuple[int, int], h_btd, kv, per_layer, cos_sin, local_cos_sin,
               mask: dict, cache_index, act, real_bt=None):
         """Layers `[start, start + count)` of `stack` (`part`) over `h_btd`, one scan; `kv` the whole model's KV
-        cache (keys, values `[l, b, s, k, h]`, or None), `per_layer` these layers' indices in it, dropout keys,
+        cache (keys, values `[l, b, k, s, h]`, or None), `per_layer` these layers' indices in it, dropout keys,
         windows and local-RoPE flags (each None when unused). Returns the hidden states, the cache with these
         layers' new tokens written, and each layer's (experts of each token, router stats) stacked.
 

@@ -71,21 +71,12 @@ def trl_case(tiny_checkpoint, tmp_path_factory):
 
 
 def rollout_batch(inputs: dict, grad_accum: int = 1) -> dict[str, np.ndarray]:
-    """The inputs as a rollout batch (finetune.step.policy): one row a completion, prompt then completion, each
-    target token's slot (within its micro-batch of `grad_accum`: rows k, k + accum, ...), advantage and old and
-    reference log-probabilities at the position that predicts it."""
-    ids = np.concatenate([inputs["prompt_ids"], inputs["completion_ids"]], axis=1).astype(np.int32)
-    rows, t = ids.shape
-    targets = np.concatenate([ids[:, 1:], np.zeros((rows, 1), np.int32)], axis=1)
-    mask = np.zeros((rows, t), np.float32)
-    mask[:, P - 1:P - 1 + C] = COMPLETION_MASK
-    real = np.concatenate([np.ones((rows, P)), COMPLETION_MASK], axis=1).astype(np.int32)
-    at_targets = lambda x: np.pad(x.astype(np.float32), ((0, 0), (P - 1, 1)))  # noqa: E731
-    return {"input_ids": ids, "targets": targets, "loss_mask": mask, "segment_ids": real,
-            "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (rows, t)).copy(),
-            "sequence": np.where(mask > 0, np.arange(rows)[:, None] // grad_accum, -1).astype(np.int32),
-            "advantage": np.where(mask > 0, ADVANTAGES[:, None], 0.0).astype(np.float32),
-            "old_logps": at_targets(inputs["old"]), "ref_logps": at_targets(inputs["ref"])}
+    """The inputs as a rollout batch (finetune.rollout.batch.rollout_rows: one row a completion, its old and
+    reference log-probabilities at the positions that predict its tokens)."""
+    from finetune.rollout.batch import rollout_rows
+
+    return rollout_rows(inputs["prompt_ids"], np.ones((B, P), np.int32), inputs["completion_ids"],
+                        COMPLETION_MASK.sum(axis=1), ADVANTAGES, inputs["old"], grad_accum, ref_logps=inputs["ref"])
 
 
 @pytest.mark.slow

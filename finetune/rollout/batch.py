@@ -37,13 +37,13 @@ def left_padded(prompts: list[list[int]], length: int, pad: int) -> tuple[np.nda
 
 def rollout_rows(prompt_ids: np.ndarray, prompt_mask: np.ndarray, tokens: np.ndarray, lengths: np.ndarray,
                  advantages: np.ndarray, old_logps: np.ndarray | None = None, grad_accum: int = 1,
-                 trained: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                 trained: np.ndarray | None = None, ref_logps: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The rollout batch of completions `tokens` `[n, new]` (`lengths` real tokens each) of the left-padded prompts
     `prompt_ids`/`prompt_mask` `[n, p]` (one row a completion): `input_ids`, `targets`, `loss_mask` (each completion
     token, at the position that predicts it; none for a row `trained` marks False: `mask_truncated_completions`),
     `segment_ids`, `positions`, `sequence` (the row's slot in its micro-batch of `grad_accum`: rows k, k + accum,
     ... form micro-batch k), `advantage` and, given the log-probabilities the completions were drawn with
-    (`old_logps` `[n, new]`), `old_logps`, each at the target it scores."""
+    (`old_logps` `[n, new]`) or a reference's (`ref_logps`, precomputed), those, each at the target it scores."""
     n, p = prompt_ids.shape
     new = tokens.shape[1]
     real_completion = np.arange(new)[None, :] < lengths[:, None]
@@ -53,13 +53,14 @@ def rollout_rows(prompt_ids: np.ndarray, prompt_mask: np.ndarray, tokens: np.nda
     loss_mask = np.zeros((n, p + new), np.float32)
     scored = real_completion & (np.ones(n, bool) if trained is None else np.asarray(trained, bool))[:, None]
     loss_mask[:, p - 1:p - 1 + new] = scored
-    at_targets = lambda x: np.pad(np.asarray(x, np.float32), ((0, 0), (p - 1, 1)))  # noqa: E731
     rows = {
         "input_ids": ids, "targets": targets, "loss_mask": loss_mask, "segment_ids": real.astype(np.int32),
         "positions": np.maximum(np.cumsum(real, axis=1) - 1, 0).astype(np.int32),
         "sequence": np.where(loss_mask > 0, (np.arange(n) // grad_accum)[:, None], -1).astype(np.int32),
         "advantage": np.where(loss_mask > 0, np.asarray(advantages, np.float32)[:, None], 0.0).astype(np.float32),
     }
-    if old_logps is not None:
-        rows["old_logps"] = np.where(loss_mask > 0, at_targets(old_logps), 0.0).astype(np.float32)
+    for name, logps in (("old_logps", old_logps), ("ref_logps", ref_logps)):
+        if logps is not None:  # at the position that predicts each token
+            at_targets = np.pad(np.asarray(logps, np.float32), ((0, 0), (p - 1, 1)))
+            rows[name] = np.where(loss_mask > 0, at_targets, 0.0).astype(np.float32)
     return rows

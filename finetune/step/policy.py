@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from finetune.step.preference import sequence_sums
+
 # GRPOTrainer's loss types, and "rloo": RLOOTrainer's (its ratio a completion's summed log-ratio, its loss the mean
 # over completions; its KL to the reference is in the rewards, `leave_one_out_advantages`, not the loss)
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "rloo")
@@ -139,7 +141,7 @@ def token_losses(objective: PolicyObjective, logp_bt: jax.Array, micro: dict[str
     rloo = objective.loss_type == "rloo"
     per_sequence = rloo or objective.importance_sampling_level == "sequence"
     if per_sequence:
-        sums, counts = _slot_sums(log_ratio_bt * mask_bt, mask_bt, micro["sequence"], slots)
+        sums, counts = sequence_sums(log_ratio_bt, mask_bt, micro["sequence"], slots)
         log_ratio_bt = _at_tokens(sums if rloo else sums / jnp.maximum(counts, 1.0), micro["sequence"])
         token_share_bt = 1.0 / jnp.maximum(_at_tokens(counts, micro["sequence"]), 1.0)
     ratio_bt = jnp.exp(log_ratio_bt)
@@ -171,21 +173,13 @@ def micro_batch_loss(objective: PolicyObjective, losses_bt: jax.Array, micro: di
     mask_bt = micro["loss_mask"].astype(jnp.float32)
     masked = losses_bt * mask_bt
     if objective.loss_type in ("grpo", "rloo"):  # rloo's per-token losses are its completion's loss at each token
-        sums, counts = _slot_sums(masked, mask_bt, micro["sequence"], slots)
+        sums, counts = sequence_sums(losses_bt, mask_bt, micro["sequence"], slots)
         return jnp.sum(sums / jnp.maximum(counts, 1.0)) / sequences
     if objective.loss_type == "bnpo":
         return jnp.sum(masked) / jnp.maximum(jnp.sum(mask_bt), 1.0) / grad_accum
     if objective.loss_type == "dr_grpo":
         return jnp.sum(masked) / (sequences * objective.max_completion_length)
     return jnp.sum(masked) / jnp.maximum(tokens, 1.0)
-
-
-def _slot_sums(values_bt, mask_bt, slots_bt, slots: int) -> tuple[jax.Array, jax.Array]:
-    """(sum of `values`, sum of `mask`) per completion slot, float32 `[slots]` each; padding (-1) dropped."""
-    index = jnp.where(slots_bt < 0, slots, slots_bt).reshape(-1)
-    sums = jax.ops.segment_sum(values_bt.reshape(-1), index, slots + 1)
-    counts = jax.ops.segment_sum(mask_bt.reshape(-1), index, slots + 1)
-    return sums[:slots], counts[:slots]
 
 
 def _at_tokens(per_slot: jax.Array, slots_bt: jax.Array) -> jax.Array:
