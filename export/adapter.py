@@ -69,7 +69,7 @@ def export_adapter(run_dir: str | Path, out: str | Path, *, step: int | None = N
     target, _ = check_export_targets(run_dir, out, overwrite=overwrite)
     lora, config, step = load_run(run_dir, step)
     name, revision = base_reference(run_dir, base_model, note)
-    card = {"training steps": step, "learning rate": config.lr, "sequence length": config.seq_len,
+    card = {"training steps": step, "learning rate": config.value("lr"), "sequence length": config.seq_len,
             "base quantization in training": base_weights(config.model)}
     model_config = run_model_config(run_dir)
     if model_config.num_experts:

@@ -30,6 +30,7 @@ SECTIONS = {
     "rank": "LoRA",
     "steps": "Optimisation",
     "objective": "Preference tuning",
+    "num_generations": "Online RL",
     "dtype": "Numerics and memory",
     "checkpoint_every": "Checkpoints and logging",
     "plan": "Planning without hardware",
@@ -39,6 +40,29 @@ SECTIONS = {
 # `--targets` by default; on a model with experts the default adapts attention and the experts instead
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 MOE_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj")
+
+
+# Options whose default depends on --objective: {option: {objective: default}}, "*" for the objectives not named. The
+# online RL objectives take TRL 1.16's defaults for its GRPOTrainer and RLOOTrainer where they differ from the others'.
+# Such an option is declared with None (not given) and read through `TrainConfig.value`.
+OBJECTIVE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "lr": {"*": 1e-4, "grpo": 1e-6, "rloo": 1e-6},
+    "beta": {"*": 0.1, "grpo": 0.0, "rloo": 0.05},
+    "num_generations": {"*": None, "grpo": 8, "rloo": 2},
+}
+PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
+POLICY_OBJECTIVES = ("grpo", "rloo")
+
+
+def objective_defaults(name: str) -> str:
+    """An objective-dependent default as the help and docs show it: `1e-4; grpo, rloo: 1e-6`."""
+    by_objective = OBJECTIVE_DEFAULTS[name]
+    named: dict[Any, list[str]] = {}
+    for objective, value in by_objective.items():
+        if objective != "*":
+            named.setdefault(value, []).append(objective)
+    parts = [] if by_objective["*"] is None else [f"{by_objective['*']:g}"]
+    return "; ".join(parts + [f"{', '.join(objectives)}: {value:g}" for value, objectives in named.items()])
 
 
 # What a `--resume` may do with each option, declared beside the option so that a new option cannot be added
@@ -83,14 +107,15 @@ class TrainConfig:
                               resume=Refused("the rows the stored data position counts through"))
     data_format: Literal["auto", "text", "prompt-completion", "messages", "alpaca", "sharegpt", "preference",
                          "preference-chat", "preference-conversations", "preference-sharegpt",
-                         "preference-alpaca"] = option(
+                         "preference-alpaca", "prompt-only"] = option(
         "auto", "row layout of --data and --eval-data: text, prompt-completion, messages (OpenAI chat), alpaca "
                 "(instruction/input/output/system) or sharegpt (conversations of from/value, system); for a "
                 "preference objective preference (prompt/chosen/rejected strings), preference-chat (prompt messages, "
                 "chosen/rejected replies), preference-conversations (chosen/rejected conversations sharing their "
                 "prompt turns), preference-sharegpt (LLaMA-Factory's: conversations, chosen/rejected one from/value "
                 "message each, system) or preference-alpaca (LLaMA-Factory's: instruction/input, chosen/rejected "
-                "strings, system); auto detects it and reports what it found",
+                "strings, system); for an online RL objective prompt-only (a prompt string or messages, the other "
+                "columns passed to the rewards); auto detects it and reports what it found",
         resume=Refused("how each row becomes tokens and training targets"))
     data_split: str = option("train", "split of a dataset id given as --data",
                              resume=Refused("which rows --data names"))
@@ -163,7 +188,7 @@ class TrainConfig:
     pack: bool = option(True, "pack several examples per sequence (attention stays within each); "
                               "--no-pack pads each example to --seq-len",
                         resume=Refused("the rows themselves"))
-    lr: float = option(1e-4, "peak learning rate",
+    lr: float | None = option(None, "peak learning rate",
                        resume=Refused("the optimisation the stored Adam moments belong to (and the model card's "
                                       "learning rate)"))
     schedule: Literal["cosine", "linear", "constant"] = option(
@@ -184,13 +209,16 @@ class TrainConfig:
     seed: int = option(0, "seed of LoRA initialisation, data order and dropout",
                        resume=Refused("the data order and dropout keys"))
     # preference tuning
-    objective: Literal["sft", "dpo", "ipo", "simpo", "orpo"] = option(
-        "sft", "what the step minimises: sft (next-token loss on the trained tokens) or a preference objective on "
-               "chosen/rejected pairs (dpo, ipo, simpo, orpo; docs/preference-tuning.md); with a preference objective "
-               "--batch-size counts pairs",
+    objective: Literal["sft", "dpo", "ipo", "simpo", "orpo", "grpo", "rloo"] = option(
+        "sft", "what the step minimises: sft (next-token loss on the trained tokens), a preference objective on "
+               "chosen/rejected pairs (dpo, ipo, simpo, orpo; docs/preference-tuning.md; --batch-size counts pairs) "
+               "or an online RL objective on completions sampled from the policy and scored by --reward (grpo, rloo: "
+               "TRL's GRPOTrainer and RLOOTrainer; docs/rl.md; --batch-size counts prompts)",
         resume=Refused("the function being optimised"))
-    beta: float = option(0.1, "dpo/ipo/simpo: the inverse temperature b of the preference loss",
-                         resume=Refused("the function being optimised"))
+    beta: float | None = option(None, "dpo/ipo/simpo: the inverse temperature b of the preference loss; grpo: the "
+                                      "weight of the k3 KL to --reference in the loss; rloo: the weight of the KL to "
+                                      "--reference in the rewards; 0: no reference pass",
+                                resume=Refused("the function being optimised"))
     label_smoothing: float = option(0.0, "dpo only: the conservative DPO's assumed label noise e, "
                                          "-(1-e) log s(b D) - e log s(-b D)",
                                     resume=Refused("the function being optimised"))
@@ -199,14 +227,56 @@ class TrainConfig:
     orpo_lambda: float = option(0.1, "orpo only: the weight lambda of the odds-ratio term",
                                 resume=Refused("the function being optimised"))
     reference: Literal["auto", "base", "init"] = option(
-        "auto", "dpo/ipo only: the reference model: base (the base model with every LoRA branch off), init (the "
-                "--init-adapter as loaded, frozen); auto: init with --init-adapter, else base",
+        "auto", "dpo/ipo, and grpo/rloo with --beta > 0: the reference model: base (the base model with every LoRA "
+                "branch off), init (the --init-adapter as loaded, frozen); auto: init with --init-adapter, else base",
         resume=Refused("the reference the losses are measured against"))
     precompute_reference: bool = option(
         False, "dpo/ipo only: compute the reference's log-probability of every pair once, before training, and "
                "store it with the tokenized data (reused by later runs and resumes on the same data, model, "
                "adapter and dtypes), so that a step runs no reference forward",
         resume=Allowed("the same values as the reference computed in the step"))
+    # online RL (TRL's option names)
+    num_generations: int | None = option(
+        None, "grpo/rloo: completions sampled for each prompt, G (each step trains --batch-size x G completions)",
+        resume=Refused("the completions each step trains on"))
+    max_completion_length: int = option(512, "grpo/rloo: the most tokens a sampled completion has",
+                                        resume=Refused("the completions each step trains on"))
+    temperature: float = option(1.0, "grpo/rloo: the sampling temperature (log-probabilities are taken at it, as TRL "
+                                     "takes them)", resume=Refused("the completions and the function being optimised"))
+    top_p: float = option(1.0, "grpo/rloo: sample from the smallest set of tokens whose probability reaches top_p",
+                          resume=Refused("the completions each step trains on"))
+    top_k: int = option(0, "grpo/rloo: sample from the top_k most likely tokens (0: all)",
+                        resume=Refused("the completions each step trains on"))
+    min_p: float = option(0.0, "grpo/rloo: sample only tokens at least min_p times as likely as the most likely one "
+                               "(0: all)", resume=Refused("the completions each step trains on"))
+    reward: tuple[str, ...] = option(
+        (), "grpo/rloo: a reward function, path/to/file.py:function (called as TRL calls one) or a built-in: "
+            "equals:COLUMN, regex:PATTERN, last-number:COLUMN; repeat the flag (a YAML list) for several, summed with "
+            "--reward-weights", resume=Refused("the function being optimised"))
+    reward_weights: str | None = option(None, "grpo/rloo: the weight of each --reward, comma-separated (default: 1 "
+                                              "each)", resume=Refused("the function being optimised"))
+    loss_type: Literal["dapo", "grpo", "bnpo", "dr_grpo"] = option(
+        "dapo", "grpo only: how the per-token losses are averaged (TRL's loss_type: dapo over the batch's tokens, grpo "
+                "each completion's mean, bnpo each micro-batch's tokens, dr_grpo over completions x "
+                "max_completion_length)", resume=Refused("the function being optimised"))
+    scale_rewards: Literal["group", "batch", "none"] = option(
+        "group", "grpo only: divide each advantage by the reward spread of its prompt's group, of the batch, or not",
+        resume=Refused("the function being optimised"))
+    importance_sampling_level: Literal["token", "sequence"] = option(
+        "token", "grpo only: each token's ratio to the sampling policy, or each completion's (GSPO)",
+        resume=Refused("the function being optimised"))
+    epsilon: float = option(0.2, "grpo/rloo: ratios are clipped to [1 - epsilon, 1 + epsilon_high]",
+                            resume=Refused("the function being optimised"))
+    epsilon_high: float | None = option(None, "grpo/rloo: the upper clip (default: epsilon)",
+                                        resume=Refused("the function being optimised"))
+    num_iterations: int = option(1, "grpo/rloo: optimizer steps on each batch of completions (their log-probabilities "
+                                    "when sampled come from one forward pass, as TRL's)",
+                                 resume=Refused("which steps sample new completions"))
+    mask_truncated_completions: bool = option(False, "grpo/rloo: completions cut at max_completion_length train "
+                                                     "nothing (they still count in the loss's averages)",
+                                              resume=Refused("the function being optimised"))
+    normalize_advantages: bool = option(False, "rloo only: standardise the advantages over the batch",
+                                        resume=Refused("the function being optimised"))
     # numerics and memory
     dtype: Literal["bfloat16", "float32"] = option("bfloat16", "compute dtype of the forward/backward pass",
                                                    resume=Refused("the numerics of the function being trained"))
@@ -285,6 +355,12 @@ class TrainConfig:
     show_sharding: bool = option(False, "print each parameter's sharding and per-device bytes, then continue",
                                  resume=Allowed("display only"), plan_only=True)
 
+    def __post_init__(self):
+        if isinstance(self.reward, str):  # one reward, as YAML or Python may give it
+            object.__setattr__(self, "reward", (self.reward,))
+        elif isinstance(self.reward, list):  # several, as argparse and run_config.json give them
+            object.__setattr__(self, "reward", tuple(self.reward))
+
     def portable_attention(self, cp: int = 1) -> str:
         """The portable attention path of this run: xla or blockwise as `--attention` names it; otherwise (auto, and
         a fused kernel's fallback) resolved for this run's shape."""
@@ -334,11 +410,13 @@ class TrainConfig:
                 accepts, expected = OPTION_RANGES[f.name]
                 if not accepts(value):
                     raise ConfigFileError(f"--{flag_of(f.name)} must be {expected}, got {value}")
-        if self.max_prompt_len >= self.seq_len:
+        if self.max_prompt_len >= self.seq_len and not self.policy:
             raise ConfigFileError(f"--max-prompt-len {self.max_prompt_len} must be below --seq-len {self.seq_len}: "
                                   "the reply needs room after the prompt")
-        if self.batch_size % self.grad_accum:
-            raise ConfigFileError(f"--batch-size {self.batch_size} must be a multiple of --grad-accum {self.grad_accum}")
+        if self.rows_per_step % self.grad_accum:
+            counted = (f"--batch-size {self.batch_size} x --num-generations {self.value('num_generations')}"
+                       if self.policy else f"--batch-size {self.batch_size}")
+            raise ConfigFileError(f"{counted} must be a multiple of --grad-accum {self.grad_accum}")
         try:
             self.lora_config()
         except ConfigFileError:
@@ -360,15 +438,41 @@ class TrainConfig:
         return self
 
 
+    def value(self, name: str) -> Any:
+        """Option `name` as the run uses it: as given, or, for an option whose default depends on the objective
+        (`OBJECTIVE_DEFAULTS`) and that was not given, this objective's default."""
+        given = getattr(self, name)
+        if given is not None or name not in OBJECTIVE_DEFAULTS:
+            return given
+        by_objective = OBJECTIVE_DEFAULTS[name]
+        return by_objective.get(self.objective, by_objective["*"])
+
     @property
     def preference(self) -> bool:
         """Whether the run trains a preference objective on chosen/rejected pairs."""
-        return self.objective != "sft"
+        return self.objective in PREFERENCE_OBJECTIVES
+
+    @property
+    def policy(self) -> bool:
+        """Whether the run trains an online RL objective on completions it samples (grpo, rloo)."""
+        return self.objective in POLICY_OBJECTIVES
+
+    @property
+    def rows_per_step(self) -> int:
+        """The sequences one optimizer step trains on before packing: --batch-size, or with an online RL objective
+        --batch-size prompts x --num-generations completions (preference pairs count as --batch-size here)."""
+        return self.batch_size * self.value("num_generations") if self.policy else self.batch_size
+
+    @property
+    def step_rows(self) -> int:
+        """The most rows of --seq-len tokens one step computes: `rows_per_step`, and two a pair for a preference
+        objective (unpacked: packing never needs more)."""
+        return 2 * self.batch_size if self.preference else self.rows_per_step
 
     def reference_model(self) -> str | None:
-        """The reference a dpo/ipo run measures against (`--reference` with `auto` resolved); None for the
-        objectives that have none."""
-        if self.objective not in ("dpo", "ipo"):
+        """The reference a dpo/ipo run (or a grpo/rloo run with --beta > 0) measures against (`--reference` with
+        `auto` resolved); None for the objectives that have none."""
+        if self.objective not in ("dpo", "ipo") and not (self.policy and self.value("beta") > 0):
             return None
         if self.reference == "auto":
             return "init" if self.init_adapter else "base"
@@ -377,25 +481,61 @@ class TrainConfig:
     @property
     def reference_forward(self) -> bool:
         """Whether each step runs the reference model's forward (dpo/ipo without --precompute-reference)."""
-        return self.reference_model() is not None and not self.precompute_reference
+        return self.preference and self.reference_model() is not None and not self.precompute_reference
 
     def _validate_objective(self) -> None:
         """An option that belongs to another objective is refused rather than silently ignored."""
-        owners = {"beta": ("dpo", "ipo", "simpo"), "label_smoothing": ("dpo",), "simpo_gamma": ("simpo",),
-                  "orpo_lambda": ("orpo",), "reference": ("dpo", "ipo"), "precompute_reference": ("dpo", "ipo")}
+        rl = POLICY_OBJECTIVES
+        owners = {"beta": ("dpo", "ipo", "simpo", *rl), "label_smoothing": ("dpo",), "simpo_gamma": ("simpo",),
+                  "orpo_lambda": ("orpo",), "reference": ("dpo", "ipo", *rl), "precompute_reference": ("dpo", "ipo"),
+                  **{name: rl for name in ("num_generations", "max_completion_length", "temperature", "top_p",
+                                           "top_k", "min_p", "reward", "reward_weights", "epsilon", "epsilon_high",
+                                           "num_iterations", "mask_truncated_completions")},
+                  "loss_type": ("grpo",), "scale_rewards": ("grpo",), "importance_sampling_level": ("grpo",),
+                  "normalize_advantages": ("rloo",)}
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
         for name, objectives in owners.items():
             if getattr(self, name) != defaults[name] and self.objective not in objectives:
-                goes_with = " or ".join(f"--objective {o}" for o in objectives)
+                goes_with = "--objective " + (objectives[0] if len(objectives) == 1 else
+                                              f"{', '.join(objectives[:-1])} or {objectives[-1]}")
                 raise ConfigFileError(f"--{flag_of(name)} goes with {goes_with}, not --objective {self.objective}")
+        if self.preference and self.value("beta") <= 0 and self.objective != "orpo":
+            raise ConfigFileError(f"--beta must be a finite number > 0, got {self.value('beta')}")
         if self.reference == "init" and not self.init_adapter:
             raise ConfigFileError("--reference init needs --init-adapter (the adapter the reference is)")
+        if self.policy:
+            self._validate_policy()
         self.check_router_objective()
+
+    def _validate_policy(self) -> None:
+        if not self.reward and not self.plan:
+            raise ConfigFileError(f"--objective {self.objective} needs --reward (path/to/file.py:function, or a "
+                                  "built-in: equals:COLUMN, regex:PATTERN, last-number:COLUMN)")
+        weights = self.reward_weight_values()
+        if len(weights) != len(self.reward) and not self.plan:
+            raise ConfigFileError(f"--reward-weights gives {len(weights)} weights for {len(self.reward)} --reward "
+                                  "functions: give one each")
+        if self.reference != "auto" and self.value("beta") == 0:
+            raise ConfigFileError(f"--reference goes with --beta > 0 for --objective {self.objective} (with --beta 0 "
+                                  "no reference runs)")
+
+    def reward_weight_values(self) -> tuple[float, ...]:
+        """--reward-weights as numbers (1 for each --reward when not given)."""
+        if self.reward_weights is None:
+            return (1.0,) * len(self.reward)
+        try:
+            weights = tuple(float(w) for w in self.reward_weights.split(","))
+        except ValueError:
+            raise ConfigFileError(f"--reward-weights {self.reward_weights!r}: expected numbers separated by "
+                                  "commas") from None
+        if not all(math.isfinite(w) for w in weights):
+            raise ConfigFileError(f"--reward-weights {self.reward_weights!r}: expected finite numbers")
+        return weights
 
     def check_router_objective(self) -> None:
         """Training the router (target `gate`) adds the load-balancing loss to the SFT objective; the preference
-        objectives do not add it, so they refuse the router rather than train it unbalanced."""
-        if self.preference and "gate" in self.target_modules:
+        and online RL objectives do not add it, so they refuse the router rather than train it unbalanced."""
+        if self.objective != "sft" and "gate" in self.target_modules:
             raise ConfigFileError(f"--targets gate (the router) goes with --objective sft, not --objective "
                                   f"{self.objective}: its load-balancing loss is added to the SFT loss only")
 
@@ -445,10 +585,20 @@ OPTION_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "adam_b2": _UNIT_OPEN,
     "adam_eps": _POSITIVE,
     "clip_norm": _NON_NEGATIVE,
-    "beta": _POSITIVE,
+    "beta": _NON_NEGATIVE,  # and > 0 for dpo/ipo/simpo: `_validate_objective`
     "label_smoothing": (lambda v: 0 <= v < 0.5, "in [0, 0.5)"),
     "simpo_gamma": (lambda v: math.isfinite(v), "a finite number"),
     "orpo_lambda": _NON_NEGATIVE,
+    "num_generations": (lambda v: v >= 2, "at least 2 (a completion's advantage is measured against its prompt's "
+                                          "others)"),
+    "max_completion_length": _POSITIVE_INT,
+    "temperature": _POSITIVE,
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": _COUNT,
+    "min_p": _UNIT_CLOSED,
+    "epsilon": _NON_NEGATIVE,
+    "epsilon_high": _NON_NEGATIVE,
+    "num_iterations": _POSITIVE_INT,
     "seed": (lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)"),  # what numpy and JAX take as a seed
     "loss_chunk": _COUNT,
     "mlp_chunk": _COUNT,
@@ -478,7 +628,14 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
         if f.name in SECTIONS:
             group = parser.add_argument_group(SECTIONS[f.name])
         kind = hints[f.name]
-        text = f"{f.metadata['help']} (default: {f.default})"
+        default = "none" if is_list(kind) and not f.default else f.default
+        if f.name in OBJECTIVE_DEFAULTS:
+            default = objective_defaults(f.name)
+        text = f"{f.metadata['help']} (default: {default})"
+        if is_list(kind):
+            group.add_argument(f"--{flag_of(f.name)}", dest=f.name, action="append", default=argparse.SUPPRESS,
+                               metavar=f.name.upper(), help=text)
+            continue
         if kind is bool:
             group.add_argument(f"--{flag_of(f.name)}", dest=f.name, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=text)
@@ -487,6 +644,11 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
         group.add_argument(f"--{flag_of(f.name)}", dest=f.name, type=scalar_type(kind), choices=choices,
                            default=argparse.SUPPRESS, metavar=None if choices else f.name.upper(), help=text)
     return parser
+
+
+def is_list(kind) -> bool:
+    """Whether an option takes several values (`tuple[str, ...]`: a repeated flag, a YAML list)."""
+    return get_origin(kind) is tuple
 
 
 def scalar_type(kind) -> type:
@@ -541,6 +703,11 @@ def _coerce(path: Path, key: str, value: Any, kind) -> Any:
         return value
     if key == "targets" and isinstance(value, list):
         return ",".join(map(str, value))
+    if is_list(kind):
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, str) for v in values):
+            raise ConfigFileError(f"{path}: option '{key}' must be a string or a list of strings, got {value!r}")
+        return tuple(values)
     target = scalar_type(kind)
     if target is bool and not isinstance(value, bool):
         raise ConfigFileError(f"{path}: option '{key}' must be true or false, got {value!r}")

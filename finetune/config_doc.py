@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, get_args, get_origin, get_type_hints
 
-from finetune.config import SECTIONS, Allowed, NotCompared, Refused, TrainConfig, flag_of, scalar_type
+from finetune.config import (OBJECTIVE_DEFAULTS, SECTIONS, Allowed, NotCompared, Refused, TrainConfig, flag_of,
+                             is_list, objective_defaults, scalar_type)
 
 HEADER = """# finetune-lora options
 
@@ -42,6 +43,8 @@ targets: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]
 
 
 def _type_name(kind) -> str:
+    if is_list(kind):
+        return f"{scalar_type(kind).__name__}, repeated (a YAML list)"
     if get_origin(kind) is Literal:
         return " \\| ".join(f"`{v}`" for v in get_args(kind))
     return scalar_type(kind).__name__ + (" (optional)" if type(None) in get_args(kind) else "")
@@ -62,7 +65,10 @@ def config_markdown() -> str:
         if f.name in SECTIONS:
             out.append(f"\n## {SECTIONS[f.name]}\n\n| option | YAML key | type | default | on --resume | meaning |\n"
                        "|---|---|---|---|---|---|")
-        default = "—" if f.default is None else f"`{f.default}`"
+        if f.name in OBJECTIVE_DEFAULTS:
+            default = objective_defaults(f.name)
+        else:
+            default = "—" if f.default is None or f.default == () else f"`{f.default}`"
         on_resume = ON_RESUME[type(f.metadata["resume"])]
         meaning = f.metadata["help"].replace("|", "\\|")
         out.append(f"| {_flags(f.name, hints[f.name])} | `{f.name}` | {_type_name(hints[f.name])} | {default} | "

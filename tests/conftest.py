@@ -212,6 +212,7 @@ def two_process_grads(tiny_converted):
     from test_context_parallel import write_packed_data
     from test_finetune import addition_rows
     from test_preference_training import addition_pairs
+    from rl_cases import prompt_rows, write_rewards
 
     def build(out):
         from tiny_moe import TINY_DEEPSEEK, TINY_MOE
@@ -223,6 +224,8 @@ def two_process_grads(tiny_converted):
         write_jsonl(out / "sft.jsonl", addition_rows())
         write_packed_data(out / "packed.jsonl")
         write_jsonl(out / "pairs.jsonl", addition_pairs())
+        write_jsonl(out / "prompts.jsonl", prompt_rows())
+        write_rewards(out)
         convert(build_tiny_model(out / "moe-hf", TINY_MOE), out / "moe", progress=False)
         convert(build_tiny_model(out / "deepseek-hf", TINY_DEEPSEEK), out / "deepseek", progress=False)
         run_multihost_worker(tiny_converted, out)

@@ -33,11 +33,23 @@ CASES = {
     "moe": ("packed.jsonl", "dp=1,fsdp=4,cp=1,mp=2", "sft"),
     # test_deepseek.py: latent attention, and 2 routed experts a device, on OUT/deepseek (tiny_moe's TINY_DEEPSEEK)
     "deepseek": ("packed.jsonl", "dp=1,fsdp=4,cp=1,mp=2", "sft"),
+    # test_rl_runs.py: a GRPO run's first step from its own completions (tests/rl_cases.py), OUT/rewards.py scoring them
+    "grpo": ("prompts.jsonl", "dp=2,fsdp=2,cp=1,mp=2", "grpo"),
 }
 
 
 def case(model, out, port, process_id, name):
     data, mesh, objective = CASES[name]
+    if objective == "grpo":
+        from rl_cases import first_rollout_step, rl_options
+
+        config = TrainConfig(model=model, data=os.path.join(out, data), out=os.path.join(out, name), mesh=mesh,
+                             progress=False, coordinator=f"127.0.0.1:{port}", num_processes=2,
+                             process_id=int(process_id), **rl_options(os.path.join(out, "rewards.py"))).validate()
+        result = first_rollout_step(config)
+        if jax.process_index() == 0:
+            np.savez(os.path.join(out, f"{name}.npz"), **result)
+        return
     # a preference run as tests/test_preference_training.py's `config` makes it
     preference = {}
     if objective.startswith("dpo"):

@@ -12,7 +12,8 @@ from strategies import llama_configs
 from transformers import LlamaConfig as HFLlamaConfig
 
 from finetune.cli import main
-from finetune.config import OPTION_RANGES, Allowed, ConfigFileError, NotCompared, Refused, TrainConfig, option
+from finetune.config import (OPTION_RANGES, Allowed, ConfigFileError, NotCompared, Refused, TrainConfig, load_config,
+                             option)
 from finetune.planning.fit import PLAN_ONLY
 from finetune.run.policy import IMMUTABLE, MUTABLE, NOT_COMPARED
 from jaxmodel.config import ConfigError, ModelConfig, RopeConfig
@@ -229,18 +230,39 @@ def test_an_option_without_a_resume_policy_cannot_be_defined():
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--beta", "0.2"], "--beta goes with --objective dpo or --objective ipo or --objective simpo, not --objective sft"),
+    (["--beta", "0.2"], "--beta goes with --objective dpo, ipo, simpo, grpo or rloo, not --objective sft"),
     (["--objective", "orpo", "--beta", "0.2"], "--beta goes with"),
     (["--objective", "ipo", "--label-smoothing", "0.1"], "--label-smoothing goes with --objective dpo, not --objective ipo"),
     (["--objective", "dpo", "--simpo-gamma", "1"], "--simpo-gamma goes with --objective simpo"),
     (["--objective", "simpo", "--orpo-lambda", "0.5"], "--orpo-lambda goes with --objective orpo"),
-    (["--objective", "simpo", "--reference", "base"], "--reference goes with --objective dpo or --objective ipo"),
+    (["--objective", "simpo", "--reference", "base"], "--reference goes with --objective dpo, ipo, grpo or rloo"),
     (["--objective", "dpo", "--reference", "init"], "--reference init needs --init-adapter"),
     (["--objective", "orpo", "--precompute-reference"],
-     "--precompute-reference goes with --objective dpo or --objective ipo, not --objective orpo"),
+     "--precompute-reference goes with --objective dpo or ipo, not --objective orpo"),
     (["--objective", "dpo", "--label-smoothing", "0.5"], "--label-smoothing must be in [0, 0.5), got 0.5"),
     (["--objective", "dpo", "--beta", "0"], "--beta must be a finite number > 0, got 0.0"),
     (["--objective", "kto"], "--objective: invalid choice"),
+    (["--num-generations", "4"], "--num-generations goes with --objective grpo or rloo, not --objective sft"),
+    (["--objective", "dpo", "--reward", "equals:a"],
+     "--reward goes with --objective grpo or rloo, not --objective dpo"),
+    (["--objective", "rloo", "--reward", "equals:a", "--loss-type", "grpo"],
+     "--loss-type goes with --objective grpo, not --objective rloo"),
+    (["--objective", "grpo", "--reward", "equals:a", "--normalize-advantages"],
+     "--normalize-advantages goes with --objective rloo, not --objective grpo"),
+    (["--objective", "grpo"], "--objective grpo needs --reward (path/to/file.py:function, or a built-in: "
+                              "equals:COLUMN, regex:PATTERN, last-number:COLUMN)"),
+    (["--objective", "grpo", "--reward", "equals:a", "--num-generations", "1"],
+     "--num-generations must be at least 2 (a completion's advantage is measured against its prompt's others), got 1"),
+    (["--objective", "grpo", "--reward", "equals:a", "--reward", "regex:x", "--reward-weights", "1"],
+     "--reward-weights gives 1 weights for 2 --reward functions: give one each"),
+    (["--objective", "grpo", "--reward", "equals:a", "--reward-weights", "one"],
+     "--reward-weights 'one': expected numbers separated by commas"),
+    (["--objective", "grpo", "--reward", "equals:a", "--reference", "base"],
+     "--reference goes with --beta > 0 for --objective grpo (with --beta 0 no reference runs)"),
+    (["--objective", "grpo", "--reward", "equals:a", "--batch-size", "3", "--num-generations", "3",
+      "--grad-accum", "2"], "--batch-size 3 x --num-generations 3 must be a multiple of --grad-accum 2"),
+    (["--objective", "grpo", "--reward", "equals:a", "--temperature", "0"],
+     "--temperature must be a finite number > 0, got 0.0"),
     (["--objective", "dpo", "--targets", "q_proj,gate"],
      "--targets gate (the router) goes with --objective sft, not --objective dpo: its load-balancing loss is added "
      "to the SFT loss only"),
@@ -264,3 +286,36 @@ def test_the_reference_follows_the_initial_adapter():
     assert reference(objective="dpo") == "base" and reference(objective="ipo", init_adapter="a") == "init"
     assert reference(objective="dpo", init_adapter="a", reference="base") == "base"
     assert reference(objective="simpo") is None and reference(objective="sft") is None
+
+
+def test_the_online_rl_objectives_take_trls_defaults_where_they_differ():
+    """GRPO's beta 0 (no reference pass) and RLOO's 0.05, their learning rate 1e-6 and G (8, 2), as TRL 1.16's
+    GRPOConfig and RLOOConfig; the other objectives keep theirs; a given value is the value."""
+    from trl import GRPOConfig, RLOOConfig
+
+    def of(**kw):
+        return TrainConfig(model="m", data="d", out="o", **kw).validate()
+
+    for objective, trl in (("grpo", GRPOConfig), ("rloo", RLOOConfig)):
+        config = of(objective=objective, reward=("equals:a",))
+        defaults = {f.name: f.default for f in dataclasses.fields(trl)}
+        assert [config.value(n) for n in ("lr", "beta", "num_generations", "max_completion_length", "temperature",
+                                          "epsilon", "num_iterations")] == [
+            defaults[n] for n in ("learning_rate", "beta", "num_generations", "max_completion_length", "temperature",
+                                  "epsilon", "num_iterations")]
+        assert config.rows_per_step == config.batch_size * defaults["num_generations"]
+        assert config.reference_model() is None if objective == "grpo" else config.reference_model() == "base"
+    assert (of().value("lr"), of(objective="dpo").value("beta")) == (1e-4, 0.1)
+    assert of(objective="grpo", reward=("equals:a",), beta=0.04, lr=2e-5).value("beta") == 0.04
+    assert of(objective="grpo", reward=("equals:a",), beta=0.04).reference_model() == "base"
+
+
+def test_rewards_repeat_on_the_command_line_and_list_in_yaml(tmp_path):
+    flags = ["--model", "m", "--data", "d", "--out", "o", "--objective", "grpo"]
+    config = load_config(flags + ["--reward", "r.py:f", "--reward", "regex:a,b"], "t", "t")
+    assert config.reward == ("r.py:f", "regex:a,b") and config.reward_weight_values() == (1.0, 1.0)
+    (tmp_path / "run.yaml").write_text("reward: [r.py:f, 'regex:^<think>']\nreward_weights: 1,0.5\n")
+    config = load_config(flags + ["--config", str(tmp_path / "run.yaml")], "t", "t")
+    assert config.reward == ("r.py:f", "regex:^<think>") and config.reward_weight_values() == (1.0, 0.5)
+    (tmp_path / "one.yaml").write_text("reward: equals:answer\n")
+    assert load_config(flags + ["--config", str(tmp_path / "one.yaml")], "t", "t").reward == ("equals:answer",)

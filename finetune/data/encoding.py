@@ -26,8 +26,8 @@ from jinja2 import TemplateError
 from finetune.data.chat_shapes import (MAX_REMEMBERED_TAIL, MAX_REMEMBERED_TAILS, MAX_SHAPES, SHAPE_CHECKS, ChatPlan,
                                        ChatShape)
 from finetune.data.layouts import AUTO, canonical as layout_canonical
-from finetune.data.reference import (CHARS_PER_TOKEN, CUT_MARGIN, PAIR_KEYS, first_characters, is_pair, prompt_tail,
-                                     prompt_tail_limit, tokenize_pair, tokenize_reply, tokenize_row)
+from finetune.data.reference import (CHARS_PER_TOKEN, CUT_MARGIN, PAIR_KEYS, PROMPT_ONLY, first_characters, is_pair,
+                                     prompt_tail, prompt_tail_limit, tokenize_pair, tokenize_reply, tokenize_row)
 from finetune.data.rows import DataError, Example
 
 Canonical = Callable[[dict, str, str], dict]
@@ -141,7 +141,8 @@ class BatchTokenizer:
         completions = self.encode_limited([forms[i]["completion"] for i in pairs], [sub(len(p)) for p in prompts])
         for i, prompt, completion in zip(pairs, prompts, completions):
             out[i] = prompt + completion + eos, [(len(prompt), len(prompt) + len(completion) + len(eos))]
-        fallback = set(broken)  # units the reference path tokenizes
+        # units the reference path tokenizes: broken pairs, and prompts alone (a run's few prompts, no targets)
+        fallback = set(broken) | {i for i, row in enumerate(forms) if PROMPT_ONLY in row}
         if chats:
             final_only = [units[i][2] is tokenize_reply for i in chats]
             for i, example in zip(chats, self.chats([forms[i]["messages"] for i in chats], final_only)):

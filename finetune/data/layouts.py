@@ -28,11 +28,17 @@ each side tokenized as that SFT row is, a chat training only its final message (
 - preference-alpaca (LLaMA-Factory's Alpaca pairs): `instruction`, optional `input`, `chosen` and `rejected`
   strings, optional `system` -> two prompt-completion rows, each the alpaca row with that reply as its output.
 
+The prompt layout (`PROMPT_LAYOUT`, for the online RL objectives) holds a prompt alone: `prompt`, a string or a
+messages list (TRL's prompt-only layout) -> `{PROMPT_ONLY: prompt}`, tokenized as the prompt of a prompt-completion
+row (BOS, then the text) or of a chat (its rendering with the generation prompt). Its other columns are read by the
+reward functions, not the tokenizer.
+
 Other keys are not read (`Detection.report` names the columns a layout leaves unread). A key whose value is None is absent: a table gives every row every column (and each
 chat turn every field any turn has), None where the row has none.
 
-`auto` takes the layout from the dataset's columns (`detect`); where the columns hold several layouts (a JSONL
-file mixing text and messages rows), each row takes the one of its keys, and a row with the keys of several
+`auto` takes the layout from the dataset's columns (`detect`; a `prompt` without a `completion` is the prompt
+layout); where the columns hold several layouts (a JSONL file mixing text and messages rows), each row takes the one
+of its keys, and a row with the keys of several
 (an alpaca dump with a `text` column) is an error asking for --data-format, which settles it. Columns holding
 `chosen` and `rejected` (and of the other layouts' keys only `prompt`) are a preference layout, which one decided
 by the columns' types where the dataset has them (`detect`'s `features`); `chosen` and `rejected` with
@@ -45,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Mapping
 
+from finetune.data.reference import PROMPT_ONLY
 from finetune.data.rows import DataError
 
 # Layout name -> the keys it reads, as shown to the user.
@@ -63,9 +70,11 @@ PREFERENCE_LAYOUTS = {
     "preference-sharegpt": "conversations, chosen, rejected (one message each), system (optional)",
     "preference-alpaca": "instruction, input (optional), chosen, rejected, system (optional)",
 }
+# The layout of the online RL objectives' prompts.
+PROMPT_LAYOUT = "prompt-only"
 AUTO = "auto"
 # Every --data-format name.
-DATA_FORMATS = (AUTO, *LAYOUTS, *PREFERENCE_LAYOUTS)
+DATA_FORMATS = (AUTO, *LAYOUTS, *PREFERENCE_LAYOUTS, PROMPT_LAYOUT)
 # The two replies of a preference row, in the order their examples are stored (chosen first).
 PAIR_KEYS = ("chosen", "rejected")
 # The keys that make a row (or column set) one of each layout, and those the layout cannot do without.
@@ -80,7 +89,7 @@ _PAIR_MARKS = {"conversations": "preference-sharegpt", "instruction": "preferenc
 # Every key each layout reads.
 _READS = {**_MARKS, **_PAIR_NEEDS, "alpaca": ("instruction", "input", "output", "system"),
           "sharegpt": ("conversations", "system"), "preference-sharegpt": ("conversations", *PAIR_KEYS, "system"),
-          "preference-alpaca": ("instruction", "input", *PAIR_KEYS, "system")}
+          "preference-alpaca": ("instruction", "input", *PAIR_KEYS, "system"), PROMPT_LAYOUT: ("prompt",)}
 _ACCEPTED = " | ".join(f"{name} ({keys})" for name, keys in LAYOUTS.items())
 
 # The Stanford Alpaca prompts (github.com/tatsu-lab/stanford_alpaca, train.py), as most Alpaca fine-tunes use: an
@@ -117,9 +126,10 @@ class Detection:
 
         read = {key for name in self.layouts for key in _READS[name]}
         unread = [column for column in self.columns if column not in read]
-        unused = f"; column{'s' * (len(unread) > 1)} {', '.join(unread)} not used" if unread else ""
+        fate = "passed to the rewards" if self.layout == PROMPT_LAYOUT else "not used"
+        unused = f"; column{'s' * (len(unread) > 1)} {', '.join(unread)} {fate}" if unread else ""
         if self.layout != AUTO:
-            unit = "pairs" if is_preference(self.layout) else "rows"
+            unit = "pairs" if is_preference(self.layout) else "prompts" if self.layout == PROMPT_LAYOUT else "rows"
             return f"{n_rows:,} {unit}, layout {self.layout} ({reads(self.layout)}){unused}"
         named = [f"{name} ({reads(name)})" for name in self.layouts]
         return f"{n_rows:,} rows, layouts {', '.join(named[:-1])} and {named[-1]}, decided per row{unused}"
@@ -138,6 +148,11 @@ def detect(columns: Iterable[str], source: str, data_format: str = AUTO,
                 raise DataError(f"{source}: --data-format {data_format} needs the columns "
                                 f"{', '.join(_PAIR_NEEDS[data_format])}; found columns {', '.join(columns)}")
             return Detection(data_format, (data_format,), columns)
+        if data_format == PROMPT_LAYOUT:
+            if "prompt" not in columns:
+                raise DataError(f"{source}: --data-format {data_format} needs the column prompt; found columns "
+                                f"{', '.join(columns)}")
+            return Detection(data_format, (data_format,), columns)
         if data_format not in LAYOUTS:
             raise ValueError(f"unknown layout {data_format!r}")
         if not set(_MARKS[data_format]) <= set(columns):
@@ -148,9 +163,26 @@ def detect(columns: Iterable[str], source: str, data_format: str = AUTO,
     if preference is not None:
         return Detection(preference, (preference,), columns)
     layouts = tuple(name for name, keys in _MARKS.items() if any(key in columns for key in keys))
+    if layouts == ("prompt-completion",) and "completion" not in columns:  # prompts alone
+        return Detection(PROMPT_LAYOUT, (PROMPT_LAYOUT,), columns)
     if not layouts:
         raise DataError(f"{source}: no layout matches the columns {', '.join(columns)}; expected one of {_ACCEPTED}")
     return Detection(layouts[0] if len(layouts) == 1 else AUTO, layouts, columns)
+
+
+def detect_prompts(columns: Iterable[str], source: str, data_format: str, objective: str) -> Detection:
+    """The layout of the prompts an online RL `objective` samples completions of: `PROMPT_LAYOUT` when `columns`
+    hold a `prompt` (every other column goes to the rewards); DataError naming `source` otherwise, or when
+    `data_format` names another layout."""
+    columns = tuple(columns)
+    if data_format not in (AUTO, PROMPT_LAYOUT):
+        raise DataError(f"{source}: --data-format {data_format} does not go with --objective {objective}, which "
+                        f"samples completions of prompts: use --data-format {PROMPT_LAYOUT} (or auto)")
+    if "prompt" not in columns:
+        raise DataError(f"{source}: --objective {objective} samples completions of prompts, and the rows have no "
+                        f"'prompt' column (columns {', '.join(columns) or 'none'}): give each row a prompt, a string "
+                        "or a messages list")
+    return Detection(PROMPT_LAYOUT, (PROMPT_LAYOUT,), columns)
 
 
 def _preference_layout(columns: tuple[str, ...], source: str, features: Mapping[str, Any] | None) -> str | None:
@@ -193,6 +225,11 @@ def canonical(row: Mapping[str, Any], layout: str, where: str) -> dict[str, Any]
     of those; DataError naming `where` when it does not fit."""
     if layout == AUTO:
         layout = _row_layout(row, where)
+    if layout == PROMPT_LAYOUT:
+        prompt = row.get("prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt))):
+            raise _mismatch(where, layout, "a 'prompt' string or messages list", row)
+        return {PROMPT_ONLY: prompt if isinstance(prompt, str) else [_present(m) for m in prompt]}
     if is_preference(layout):
         return _pair(row, layout, where)
     if layout == "text":

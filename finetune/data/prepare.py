@@ -1,7 +1,8 @@
 """The data of a run: --data and --eval-data tokenized (from the cache, or now), --eval-fraction's split, and
 the packed rows training and evaluation read, with the run's data summary and truncation warning lines. Data
-of a preference layout (chosen/rejected pairs) goes with a preference --objective and becomes `PairRows`;
-other data goes with --objective sft.
+of a preference layout (chosen/rejected pairs) goes with a preference --objective and becomes `PairRows`; prompts
+(layout prompt-only) go with an online RL --objective and become `PromptRows`; other data goes with --objective
+sft.
 
 Imports no JAX: the caller says whether this is the process that prints (`main`).
 """
@@ -17,10 +18,11 @@ import numpy as np
 
 from finetune.config import TrainConfig
 from finetune.data.cache import CachedData, load_tokenized, loaded_tokenizer_digest
-from finetune.data.layouts import PREFERENCE_LAYOUTS, Detection, detect, is_preference
+from finetune.data.layouts import PREFERENCE_LAYOUTS, PROMPT_LAYOUT, Detection, detect, detect_prompts, is_preference
 from finetune.data.packing import PackedRows, truncation_report_from_store
 from finetune.data.pair_filter import keep_pairs
 from finetune.data.pairs import PairRows, check_pair_batch, needed_rows_per_group
+from finetune.data.prompts import PromptRows
 from finetune.data.rows import DataError, TruncationReport
 from finetune.data.sources import DataSource, names_files, open_source
 
@@ -86,6 +88,8 @@ def pack_data(config: TrainConfig, run_data: RunData, main: bool = True, *, ways
     preference pairs as `PairRows` (`pack_pairs`)."""
     if is_preference(run_data.data.layout.layout):
         return pack_pairs(config, run_data, main, ways=ways)
+    if run_data.data.layout.layout == PROMPT_LAYOUT:
+        return prompt_rows(config, run_data, main)
     data, examples, held_out, eval_examples = (run_data.data, run_data.examples, run_data.held_out,
                                                run_data.eval_examples)
     report = data.report(examples, config.seq_len)
@@ -144,6 +148,20 @@ def pack_pairs(config: TrainConfig, run_data: RunData, main: bool = True, *, way
     return train_rows, eval_rows
 
 
+def prompt_rows(config: TrainConfig, run_data: RunData, main: bool = True) -> tuple[PromptRows, PromptRows | None]:
+    """`run_data`'s training and held-out prompts (layout prompt-only), with the summary line."""
+    data, held_out = run_data.data, run_data.held_out
+    train = PromptRows(data.cached.data, run_data.examples, data.source)
+    evaluated = None if held_out is None else PromptRows(held_out.cached.data, run_data.eval_examples, held_out.source)
+    if main:
+        line = (f"{data.layout.report(len(data.source))}; {_amount(data.cached.data.meta['tokens'])} tokens, the "
+                f"longest prompt {train.longest():,}")
+        if evaluated is not None:
+            line += f" (+ {len(evaluated):,} held out)"
+        _print_summary(config, run_data, None, line + _prompts_cut(config, run_data))
+    return train, evaluated
+
+
 def _prompts_cut(config: TrainConfig, run_data: RunData) -> str:
     """The data line's count of the rows (pairs) of --data and --eval-data whose prompt --max-prompt-len cut, and
     the first of them; nothing without the option."""
@@ -173,11 +191,17 @@ def check_objective(config: TrainConfig, source: DataSource, layout: Detection) 
     preference objective, and other rows only sft."""
     objective = config.objective
     first = f" (first row: {source.where(0)})" if len(source) else ""
+    if layout.layout == PROMPT_LAYOUT and not config.policy:
+        raise DataError(f"{source.description}: the rows are prompts alone (layout {PROMPT_LAYOUT}){first}, which "
+                        f"--objective {objective} cannot train on: choose an online RL objective (--objective grpo or "
+                        "rloo) or give rows with the replies to train on")
+    if config.policy:
+        return  # `detect_prompts` took the prompts of whatever columns the rows have
     if is_preference(layout.layout) and objective == "sft":
         raise DataError(f"{source.description}: the rows are preference pairs (layout {layout.layout}){first}, which "
                         "--objective sft cannot train on: choose a preference objective (--objective dpo, ipo, "
                         "simpo or orpo) or give rows of an SFT layout")
-    if not is_preference(layout.layout) and objective != "sft":
+    if not is_preference(layout.layout) and config.preference:
         found = "layouts decided per row" if layout.layout == "auto" else f"layout {layout.layout}"
         expected = " | ".join(f"{name} ({keys})" for name, keys in PREFERENCE_LAYOUTS.items())
         raise DataError(f"{source.description}: --objective {objective} trains on chosen/rejected pairs, but the rows "
@@ -206,10 +230,14 @@ class _Tokenized:
 def _tokenized(config: TrainConfig, source: DataSource, tokenizer, main: bool,
                tokenizer_key: str | None = None) -> _Tokenized:
     """`source` tokenized by --data-format: from the cache, or now (with a progress bar on process 0)."""
-    layout = detect(source.dataset.column_names, source.description, config.data_format,
-                    getattr(source.dataset, "features", None))
+    if config.policy:  # prompts alone, whatever other columns the rows have (the rewards read them)
+        layout = detect_prompts(source.dataset.column_names, source.description, config.data_format, config.objective)
+    else:
+        layout = detect(source.dataset.column_names, source.description, config.data_format,
+                        getattr(source.dataset, "features", None))
     check_objective(config, source, layout)
-    cached = load_tokenized(source, tokenizer, config.seq_len, layout.layout, cache=config.data_cache,
+    seq_len = None if config.policy else config.seq_len  # a prompt is bounded by --max-prompt-len alone
+    cached = load_tokenized(source, tokenizer, seq_len, layout.layout, cache=config.data_cache,
                             workers=config.data_workers, progress=config.progress and main, tokenizer_key=tokenizer_key,
                             max_prompt=config.max_prompt_len or None)
     return _Tokenized(source, layout, cached)

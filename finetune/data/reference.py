@@ -43,6 +43,8 @@ def read_rows(spec: str | Path) -> list[tuple[str, dict[str, Any]]]:
 
 # The layouts a row may have, by the keys that make them; a row must match exactly one.
 LAYOUTS = {"text": ("text",), "prompt+completion": ("prompt", "completion"), "messages": ("messages",)}
+# A prompt alone (an online RL objective's prompt, a string or messages, `finetune.data.layouts`): no target.
+PROMPT_ONLY = "prompt_only"
 # The keys of a preference pair's two rows, in the order their examples come.
 PAIR_KEYS = ("chosen", "rejected")
 
@@ -201,6 +203,8 @@ def last_characters(messages: list[dict], chars: int) -> list[dict]:
 
 def _layout(where: str, row: dict[str, Any]) -> str:
     """The one layout `row` has (a key whose value is None is absent: tables fill missing columns with it)."""
+    if set(row) == {PROMPT_ONLY} and isinstance(row[PROMPT_ONLY], (str, list)):
+        return "prompt"
     found = [key for keys in LAYOUTS.values() for key in keys if row.get(key) is not None]
     layouts = [name for name, keys in LAYOUTS.items() if any(row.get(key) is not None for key in keys)]
     if len(layouts) > 1:
@@ -237,7 +241,41 @@ def tokenize_row(where: str, row: dict[str, Any], tokenizer, limit: int | None =
         completion = encode_prefix(tokenizer, row["completion"], rest) + eos
         trained = [False] * len(prompt) + [True] * len(completion)
         return Example(np.asarray(prompt + completion, np.int32), np.asarray(trained), where, cut)
+    if layout == "prompt":
+        return _tokenize_prompt(where, row[PROMPT_ONLY], tokenizer, bos, max_prompt)
     return _tokenize_chat(where, row["messages"], tokenizer, limit, max_prompt=max_prompt)
+
+
+def _tokenize_prompt(where: str, prompt: str | list, tokenizer, bos: list[int], max_prompt: int | None) -> Example:
+    """A prompt alone, nothing trained: a string as a prompt-completion row's prompt (BOS and its text, as
+    `tokenizer(prompt)` gives it), messages as a chat's prompt (its rendering with the generation prompt), each
+    bounded to `max_prompt` tokens as those are."""
+    if isinstance(prompt, str):
+        if max_prompt is None:
+            ids, cut = bos + encode_prefix(tokenizer, prompt, None), False
+        else:
+            tail = encode_suffix(tokenizer, prompt, prompt_tail_limit(bos, max_prompt))
+            ids, cut = prompt_tail(tail, bos, max_prompt)
+        return Example(np.asarray(ids, np.int32), np.zeros(len(ids), bool), where, cut)
+    for m in prompt:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise DataError(f"{where}: each message of 'prompt' needs string 'role' and 'content'")
+    if not prompt or prompt[0]["role"] == "assistant":
+        found = "starts with an assistant turn" if prompt else "has no message"
+        raise DataError(f"{where}: 'prompt' {found}; expected a system or user turn first")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(f"{where}: a messages 'prompt' needs a tokenizer with a chat template")
+    cut = False
+    try:
+        if max_prompt is not None:
+            reply = {"role": "assistant", "content": ""}  # where the completion goes: the prompt is what precedes it
+            bounded, cut = bound_chat_prompt(prompt + [reply], max_prompt,
+                                             lambda p: len(_render(tokenizer, p, True)), final_only=True)
+            prompt = bounded[:-1]
+        ids = _render(tokenizer, prompt, True)
+    except TemplateError as error:
+        raise DataError(f"{where}: the chat template refuses the prompt: {error}") from None
+    return Example(np.asarray(ids, np.int32), np.zeros(len(ids), bool), where, cut)
 
 
 def _tokenize_chat(where: str, messages: list, tokenizer, limit: int | None = None, final_only: bool = False,

@@ -174,7 +174,7 @@ def lower_bound(config: TrainConfig, llama: ModelConfig, mesh: dict[str, int], d
                 layer_bytes: float) -> float:
     """Seconds no step of this mesh can beat (module docstring)."""
     devices = math.prod(mesh.values())
-    tokens = (2 * config.batch_size if config.preference else config.batch_size) * config.seq_len
+    tokens = config.step_rows * config.seq_len
     compute = flops_per_token(llama, config.seq_len, config.reference_forward) * tokens / devices / \
         device.matmul_flops_per_s(config.dtype)
     # each layer's projections gathered over fsdp x cp in the forward pass and again in the backward pass, each

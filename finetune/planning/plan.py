@@ -27,7 +27,7 @@ from finetune.config import ConfigFileError, TrainConfig
 from finetune.step.memory import per_device_bytes, sharding_table
 from finetune.step.mesh import make_mesh
 from finetune.step.checks import check_batch_split, check_experts_split, check_rank, check_seq_len, layer_shapes
-from finetune.step.train_step import (DTYPES, REFERENCE_FIELD, TrainState, batch_keys, jit_steps, make_optimizer,
+from finetune.step.train_step import (DTYPES, FLOAT_BATCH_KEYS, TrainState, batch_keys, jit_steps, make_optimizer,
                                      optimizer_shardings, split_model)
 from finetune.planning.allocator import FRACTION, UsableMemory, fraction_to_fit, usable_memory
 from finetune.planning.devices import DeviceModel, default_device_model, load_device_model
@@ -181,7 +181,7 @@ def expert_block_shares(config: TrainConfig, llama: ModelConfig, mesh) -> dict[s
     worst routing's; {} for a model without experts."""
     if not llama.num_experts:
         return {}
-    rows = (2 if config.preference else 1) * config.batch_size // config.grad_accum
+    rows = config.step_rows // config.grad_accum
     tokens = rows // batch_ways(mesh, DEFAULT_RULES) * config.seq_len // mesh.shape["cp"]
     mp = mesh.shape["mp"]
     tokens = tokens // mp if tokens % mp == 0 else tokens  # mp's devices share a device's tokens
@@ -235,6 +235,11 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
         lines.append(f"objective {config.objective}: {config.batch_size} pairs in {2 * config.batch_size} rows a step "
                      f"(unpacked: the most rows packing ever needs), reference "
                      f"{'none' if reference is None else reference + _reference_where(config)}")
+    if config.policy:
+        lines.append(f"objective {config.objective}: {config.batch_size} prompts x {config.value('num_generations')} "
+                     f"completions in {config.rows_per_step} rows of --seq-len {config.seq_len} (a prompt's bucket and "
+                     f"its completion) a step; the training step alone: the sampler, its KV cache and the log-prob "
+                     f"passes are not planned yet")
     if cpu_16bit:
         # The CPU compiler turns 16-bit matmuls into float32 ones and hoists float32 copies of the weights,
         # so its temporaries for a bf16 step say little about an accelerator. Every temporary of the step
@@ -255,7 +260,7 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
         temp = float(compiled.memory_analysis().temp_size_in_bytes)
     prediction = None
     if cost is not None:
-        tokens = (2 * config.batch_size if config.preference else config.batch_size) * config.seq_len
+        tokens = config.step_rows * config.seq_len
         prediction = predict(cost, device, config.dtype, tokens,
                              flops_per_token(llama, config.seq_len, config.reference_forward) * tokens, mesh.size,
                              bytes_scale=itemsize / 4 if cpu_16bit else 1.0)
@@ -296,8 +301,8 @@ def _compile(config: TrainConfig, llama: ModelConfig, mesh, dtype, param_dtype,
         state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), lora, opt_state,
                            jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated))
         # A preference step is planned at its most rows: two a pair (packing never needs more).
-        shape = (2 * config.batch_size if config.preference else config.batch_size, config.seq_len)
-        batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k in ("loss_mask", REFERENCE_FIELD) else jnp.int32,
+        shape = (config.step_rows, config.seq_len)
+        batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k in FLOAT_BATCH_KEYS else jnp.int32,
                                          sharding=batch_sharding(mesh, DEFAULT_RULES))
                  for k in batch_keys(config)}
         # The init reference is a second LoRA state of the adapter's shape, frozen, unless precomputed.

@@ -8,7 +8,7 @@
 list of one assistant message each), `completion_ids`, every other column of the dataset (one value a completion),
 `trainer_state` (`global_step`, `max_steps`, `epoch`), `log_extra` and `log_metric`; it returns one float (or None:
 not applicable) a completion. A function that raises or returns the wrong number stops the run with one line
-naming it and the first dataset row it fails on.
+naming it and the first dataset row it fails on (`file:line`, as the data's errors name rows).
 """
 
 from __future__ import annotations
@@ -49,6 +49,13 @@ class Reward:
     name: str  # as given: "path.py:function" or a built-in's spec
     function: Callable[..., Sequence[float | None]]
 
+    @property
+    def short_name(self) -> str:
+        """The name its metrics go by: a file's function by its own name (as TRL names them), a built-in by its
+        spec."""
+        kind = self.name.partition(":")[0]
+        return self.name if kind in BUILTINS else self.name.rpartition(":")[2]
+
 
 def load_reward(spec: str) -> Reward:
     """The reward `spec` names (module docstring); a bad spec is a `ConfigFileError` naming it."""
@@ -78,11 +85,12 @@ def load_reward(spec: str) -> Reward:
 
 
 def score(rewards: Sequence[Reward], prompts: list, completions: list, completion_ids: list[list[int]],
-          columns: dict[str, list], state: TrainerState, rows: Sequence[int],
+          columns: dict[str, list], state: TrainerState, rows: Sequence[str],
           log_extra: Callable[..., None] = lambda *a, **k: None,
           log_metric: Callable[..., None] = lambda *a, **k: None) -> np.ndarray:
     """Each reward function's rewards `[completions, functions]` float32 (NaN where it returned None) of the
-    completions of dataset rows `rows` (one a completion), called as TRL calls them."""
+    completions of the dataset rows `rows` names (one a completion, e.g. `prompts.jsonl:3`), called as TRL calls
+    them."""
     out = np.zeros((len(completions), len(rewards)), np.float32)
     for i, reward in enumerate(rewards):
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
@@ -92,7 +100,7 @@ def score(rewards: Sequence[Reward], prompts: list, completions: list, completio
             out[:, i] = _as_rewards(values, len(completions))
         except Exception as e:  # the user's function: found out which row it fails on, and say so
             row, problem = _first_failing_row(reward, kwargs, rows, e)
-            raise RewardError(f"reward {reward.name}: {problem} (dataset row {row})") from None
+            raise RewardError(f"reward {reward.name}: {problem} ({row})") from None
     return out
 
 
@@ -107,8 +115,8 @@ class _CountError(ValueError):
     pass
 
 
-def _first_failing_row(reward: Reward, kwargs: dict[str, Any], rows: Sequence[int], error: Exception
-                       ) -> tuple[int, str]:
+def _first_failing_row(reward: Reward, kwargs: dict[str, Any], rows: Sequence[str], error: Exception
+                       ) -> tuple[str, str]:
     """(the dataset row of the first completion the function fails on alone, what went wrong): a wrong count is
     the batch's (its first row); otherwise each completion is scored by itself until one fails."""
     if isinstance(error, _CountError):

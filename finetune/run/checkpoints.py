@@ -25,6 +25,10 @@ from finetune.step.train_step import TrainState
 from jaxmodel.errors import UserError
 
 
+# The checkpoint item (and meta.json key) of an online RL run's batch of completions between its iterations.
+ROLLOUT = "rollout"
+
+
 class CheckpointError(UserError):
     """A checkpoint that cannot be restored (damaged, or none intact); the message names the step and directory."""
 
@@ -70,16 +74,24 @@ class RunCheckpoints:
         """See the directory as it is now (after checkpoints were moved away)."""
         self.manager.reload()
 
-    def save(self, state: TrainState, meta: dict[str, Any]) -> None:
-        """Start writing the checkpoint of `state.step`; raises CheckpointSaveError if the previous save failed."""
+    def save(self, state: TrainState, meta: dict[str, Any], generation=None) -> None:
+        """Start writing the checkpoint of `state.step`; raises CheckpointSaveError if the previous save failed.
+        `generation`: an online RL run's batch of completions (`finetune.train.rollouts.Generation`) that the steps
+        after this one go on training on, kept with it (its arrays as the state's are, its metrics in `meta`)."""
         self.check(wait=True)
         step = int(jax.device_get(state.step))
         tree = {"step": state.step, "lora": state.lora, "opt_state": state.opt_state,
                 "rng": jax.random.key_data(state.rng)}
+        items = {}
+        if generation is not None:
+            meta = {**meta, ROLLOUT: {"k": generation.k, "metrics": generation.metrics,
+                                      "arrays": {name: [list(x.shape), str(x.dtype)]
+                                                 for name, x in generation.batch.items()}}}
+            items[ROLLOUT] = ocp.args.StandardSave(generation.batch)
         self._in_flight = step
         try:
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
-                                                            meta=ocp.args.JsonSave(meta)), force=True)
+                                                            meta=ocp.args.JsonSave(meta), **items), force=True)
         except Exception as e:  # noqa: BLE001 - a failed write, whatever the layer reports it as
             raise self._failed(step, e) from None
 
@@ -107,9 +119,10 @@ class RunCheckpoints:
             for partial in self.directory.glob(f"{self._failed_step}.orbax-checkpoint-tmp*"):
                 shutil.rmtree(partial, ignore_errors=True)
 
-    def restore(self, like: TrainState, step: int) -> tuple[TrainState, dict[str, Any]]:
+    def restore(self, like: TrainState, step: int, batch_sharding=None) -> tuple[TrainState, dict[str, Any]]:
         """The state saved at `step`, laid out with `like`'s shardings; DamagedCheckpoint if it does not restore
-        (or its metadata disagrees with its step)."""
+        (or its metadata disagrees with its step). A batch of completions saved with it comes as `meta["rollout"]`
+        `{"k", "batch", "metrics"}`, its arrays laid out by `batch_sharding`."""
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                 {"step": like.step, "lora": like.lora, "opt_state": like.opt_state,
                                  "rng": jax.random.key_data(like.rng)})
@@ -123,18 +136,26 @@ class RunCheckpoints:
             if not (isinstance(meta, dict) and meta.get("step") == step and int(jax.device_get(tree["step"])) == step
                     and isinstance(meta.get("data_position"), int) and meta["data_position"] >= 0):
                 raise ValueError(f"its step or data position does not match step {step}: {meta!r}"[:200])
+            if ROLLOUT in meta:
+                saved = meta[ROLLOUT]
+                abstract = {name: jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=batch_sharding)
+                            for name, (shape, dtype) in saved["arrays"].items()}
+                batch = self.manager.restore(step, args=ocp.args.Composite(
+                    **{ROLLOUT: ocp.args.StandardRestore(abstract)}))[ROLLOUT]
+                meta = {**meta, ROLLOUT: {"k": saved["k"], "batch": batch, "metrics": saved["metrics"]}}
         except Exception as e:  # noqa: BLE001 - Orbax and TensorStore report damage as many exception types
             raise DamagedCheckpoint(self.directory, step, restore_failure_cause(e)) from None
         state = TrainState(tree["step"], tree["lora"], tree["opt_state"], jax.random.wrap_key_data(tree["rng"]))
         return state, meta
 
-    def restore_newest_intact(self, like: TrainState) -> tuple[TrainState, dict[str, Any], int, dict[int, str]]:
-        """(state, meta, its step, {damaged newer step: why}) of the newest checkpoint that restores;
+    def restore_newest_intact(self, like: TrainState, batch_sharding=None
+                              ) -> tuple[TrainState, dict[str, Any], int, dict[int, str]]:
+        """(state, meta, its step, {damaged newer step: why}) of the newest checkpoint that restores (`restore`);
         CheckpointError naming every damaged one when none does (or there is none)."""
         damaged: dict[int, str] = {}
         for step in reversed(self.steps()):
             try:
-                state, meta = self.restore(like, step)
+                state, meta = self.restore(like, step, batch_sharding)
             except DamagedCheckpoint as e:
                 damaged[step] = e.reason
                 continue

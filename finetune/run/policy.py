@@ -45,7 +45,7 @@ def compare(stored: TrainConfig, new: TrainConfig) -> tuple[dict[str, tuple], di
     for f in dataclasses.fields(TrainConfig):
         if f.name in NOT_COMPARED:
             continue
-        old, value = getattr(stored, f.name), getattr(new, f.name)
+        old, value = stored.value(f.name), new.value(f.name)  # an objective's default as the value it stands for
         if (same_path(old, value) if f.name in PATHS else old == value):
             continue
         (refused if f.name in IMMUTABLE else allowed)[f.name] = (old, value)

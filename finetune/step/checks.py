@@ -15,10 +15,12 @@ from jaxmodel.sharding import Rules, batch_mesh_axes, batch_ways
 def check_batch_split(config: TrainConfig, mesh: Mesh, rules: Rules) -> None:
     """Each device holds whole rows of every micro-batch."""
     ways = batch_ways(mesh, rules)
-    if (config.batch_size // config.grad_accum) % ways:
+    if (config.rows_per_step // config.grad_accum) % ways:
         names = " x ".join(batch_mesh_axes(mesh, rules))
-        raise ConfigFileError(f"--batch-size {config.batch_size} / --grad-accum {config.grad_accum} must be a multiple "
-                              f"of {names} = {ways} (each device holds whole rows)")
+        rows = (f"--batch-size {config.batch_size} x --num-generations {config.value('num_generations')}"
+                if config.policy else f"--batch-size {config.batch_size}")
+        raise ConfigFileError(f"{rows} / --grad-accum {config.grad_accum} must be a multiple of {names} = {ways} "
+                              "(each device holds whole rows)")
 
 
 def check_seq_len(config: TrainConfig, llama: ModelConfig, mesh: Mesh) -> None:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from finetune.config import TrainConfig
 from finetune.step.preference import sequence_sums
 
 # GRPOTrainer's loss types, and "rloo": RLOOTrainer's (its ratio a completion's summed log-ratio, its loss the mean
@@ -45,6 +46,30 @@ class PolicyObjective:
     max_completion_length: int = 256
     temperature: float = 1.0
     use_bias_correction_kl: bool = True
+
+    # whether the old log-probabilities are the sampling policy's from a forward pass at sampling time (else the
+    # step's own, detached: a ratio of 1), as TRL keeps them for num_iterations > 1 and for RLOO's KL
+    old_logps: bool = False
+
+    @classmethod
+    def of(cls, config: TrainConfig) -> "PolicyObjective":
+        """A run's objective, as its --objective grpo or rloo and TRL's options say."""
+        rloo = config.objective == "rloo"
+        beta = config.value("beta")
+        return cls("rloo" if rloo else config.loss_type, config.epsilon, config.epsilon_high, beta,
+                   "token" if rloo else config.importance_sampling_level, config.max_completion_length,
+                   config.temperature, old_logps=config.num_iterations > 1 or (rloo and beta > 0))
+
+    @property
+    def scored_logps(self) -> tuple[str, ...]:
+        """The log-probabilities a run computes for each batch of completions when it samples them: the old ones
+        (`old_logps`) and, with `beta` > 0, the reference's."""
+        return (("old_logps",) if self.old_logps else ()) + (("ref_logps",) if self.beta else ())
+
+    @property
+    def logps_in_batch(self) -> tuple[str, ...]:
+        """Those of `scored_logps` the step reads (RLOO's reference goes into its rewards instead)."""
+        return tuple(name for name in self.scored_logps if name != "ref_logps" or self.loss_type != "rloo")
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:

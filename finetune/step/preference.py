@@ -41,8 +41,8 @@ class Objective:
 
     @classmethod
     def of(cls, config: TrainConfig) -> "Objective":
-        return cls(config.objective, config.beta, config.label_smoothing, config.simpo_gamma, config.orpo_lambda,
-                   config.reference_model(), config.precompute_reference)
+        return cls(config.objective, config.value("beta"), config.label_smoothing, config.simpo_gamma,
+                   config.orpo_lambda, config.reference_model(), config.precompute_reference)
 
     def metric_names(self) -> tuple[str, ...]:
         """The per-step metrics this objective reports besides `loss` (means over the batch's pairs)."""

@@ -24,13 +24,18 @@ from jaxmodel.sharding import Rules, batch_sharding
 
 BATCH_KEYS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
 PAIR_BATCH_KEYS = BATCH_KEYS + ("sequence",)
+ROLLOUT_BATCH_KEYS = BATCH_KEYS + ("sequence", "advantage")
 REFERENCE_FIELD = "reference_logp"  # as finetune.data.pairs lays it out (data/ imports no step/)
+# The float32 arrays of a batch (the others are int32)
+FLOAT_BATCH_KEYS = ("loss_mask", REFERENCE_FIELD, "advantage", "old_logps", "ref_logps")
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
 def batch_keys(config: TrainConfig) -> tuple[str, ...]:
     """The arrays of a step's batch: a pair batch's carry each token's sequence slot, and with
     --precompute-reference the reference's values (`finetune.data.pairs.REFERENCE_FIELD`, float32)."""
+    if config.policy:
+        return ROLLOUT_BATCH_KEYS + PolicyObjective.of(config).logps_in_batch
     if not config.preference:
         return BATCH_KEYS
     return PAIR_BATCH_KEYS + ((REFERENCE_FIELD,) if config.precompute_reference else ())
@@ -45,15 +50,16 @@ class TrainState(NamedTuple):
 
 def make_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Clip by global norm, then AdamW on a warm-up + cosine/linear/constant schedule."""
+    lr = config.value("lr")
     decay_steps = max(config.steps - config.warmup_steps, 1)
-    end = config.lr * config.min_lr_ratio
+    end = lr * config.min_lr_ratio
     decay = {
-        "cosine": optax.cosine_decay_schedule(config.lr, decay_steps, alpha=config.min_lr_ratio),
-        "linear": optax.linear_schedule(config.lr, end, decay_steps),
-        "constant": optax.constant_schedule(config.lr),
+        "cosine": optax.cosine_decay_schedule(lr, decay_steps, alpha=config.min_lr_ratio),
+        "linear": optax.linear_schedule(lr, end, decay_steps),
+        "constant": optax.constant_schedule(lr),
     }[config.schedule]
     if config.warmup_steps:
-        schedule = optax.join_schedules([optax.linear_schedule(0.0, config.lr, config.warmup_steps), decay],
+        schedule = optax.join_schedules([optax.linear_schedule(0.0, lr, config.warmup_steps), decay],
                                         [config.warmup_steps])
     else:
         schedule = decay
@@ -155,6 +161,29 @@ def policy_loss_and_grads(graphdef, lora: nnx.State, base: nnx.State, batch: dic
     per_sequence = objective.importance_sampling_level == "sequence" or objective.loss_type == "rloo"
     return loss, tokens, grads, {name: v / (sequences if per_sequence and name.startswith("clip_ratio/")
                                             else jnp.maximum(tokens, 1.0)) for name, v in sums.items()}
+
+
+def policy_logps(graphdef, lora: nnx.State, base: nnx.State, reference: nnx.State | None, batch: dict[str, jax.Array],
+                 names: tuple[str, ...], temperature: float, grad_accum: int = 1, loss_chunk: int = 0
+                 ) -> dict[str, jax.Array]:
+    """The log-probabilities of a rollout batch's completions that its policy step reads beside its own, float32
+    `[B, T]` at each trained target (0 elsewhere), one micro-batch at a time, under `stop_gradient`: `old_logps`,
+    the policy's (`lora`) when the completions were drawn, and `ref_logps`, the reference's (`reference`, the frozen
+    initial adapter, or None for the base model: a LoRA state of zeros), for those of `names`. TRL computes both
+    so, in one forward pass each when it samples: the training forward's numerics, at the sampling `temperature`."""
+    adapters = {"old_logps": lora, "ref_logps": jax.tree.map(jnp.zeros_like, lora) if reference is None else reference}
+
+    def one(micro):
+        out = {}
+        for name in names:
+            model = nnx.merge(graphdef, base, jax.lax.stop_gradient(adapters[name]))
+            losses_bt, mask_bt = batch_token_losses(model, micro, ("loss_mask",), chunk=loss_chunk,
+                                                    temperature=temperature)
+            out[name] = jnp.where(mask_bt > 0, -jax.lax.stop_gradient(losses_bt), 0.0)
+        return out
+
+    per_micro = jax.lax.map(one, micro_batches(batch, grad_accum))
+    return {k: v.swapaxes(0, 1).reshape(-1, *v.shape[2:]) for k, v in per_micro.items()}  # micro_batches undone
 
 
 def micro_batches(batch: dict[str, jax.Array], grad_accum: int) -> dict[str, jax.Array]:
@@ -284,6 +313,39 @@ def build_preference_steps(graphdef, schedule, tx: optax.GradientTransformation,
     return train_step, eval_step
 
 
+def build_policy_steps(graphdef, schedule, tx: optax.GradientTransformation, objective: PolicyObjective,
+                       sequences: int, grad_accum: int, dropout: bool = False, loss_chunk: int = 0):
+    """`build_steps` for an online RL objective: the train step takes (state, base, rollout batch of `sequences`
+    completions, `finetune.rollout.batch.rollout_rows`); no eval step (a policy is evaluated by sampling)."""
+
+    def train_step(state: TrainState, base, batch):
+        rng, step_key = jax.random.split(state.rng)
+        loss, tokens, grads, metrics = policy_loss_and_grads(graphdef, state.lora, base, batch, objective,
+                                                             sequences // grad_accum, sequences, grad_accum,
+                                                             step_key if dropout else None, loss_chunk)
+        lora, opt_state = optimizer_update(tx, grads, state)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step), "tokens": tokens,
+                   **metrics}
+        return TrainState(state.step + 1, lora, opt_state, rng), metrics
+
+    return train_step, None
+
+
+def jit_policy_logps(graphdef, config: TrainConfig, state: TrainState, base, reference, mesh: Mesh, rules: Rules):
+    """`policy_logps` jitted for a run (the log-probabilities it computes for its completions as it samples them:
+    `PolicyObjective.scored_logps`), or None when it needs none: (lora, base, reference, batch) -> {name: [B, T]}."""
+    objective = PolicyObjective.of(config)
+    names = objective.scored_logps
+    if not names:
+        return None
+    batch = batch_sharding(mesh, rules)
+    shardings = jax.tree.map(lambda x: x.sharding, (state.lora, base, reference))
+    return jax.jit(lambda lora, base, reference, rows: policy_logps(graphdef, lora, base, reference, rows, names,
+                                                                   objective.temperature, config.grad_accum,
+                                                                   config.loss_chunk),
+                   in_shardings=(*shardings, batch), out_shardings=batch)
+
+
 def jit_steps(graphdef, config: TrainConfig, tx: optax.GradientTransformation, schedule, state: TrainState, base,
               mesh: Mesh, rules: Rules):
     """The jitted train and eval steps of a run, for `state` and `base` as they lie on `mesh` (arrays, or
@@ -292,7 +354,11 @@ def jit_steps(graphdef, config: TrainConfig, tx: optax.GradientTransformation, s
     The train step donates the state; the batch is split as `jaxmodel.sharding.batch_sharding` says. With a
     preference objective `base` is (base, reference adapter or None) and the batch holds pair rows.
     """
-    if config.preference:
+    if config.policy:
+        train_fn, eval_fn = build_policy_steps(graphdef, schedule, tx, PolicyObjective.of(config),
+                                               config.rows_per_step, config.grad_accum,
+                                               dropout=config.lora_dropout > 0, loss_chunk=config.loss_chunk)
+    elif config.preference:
         train_fn, eval_fn = build_preference_steps(graphdef, schedule, tx, Objective.of(config), config.batch_size,
                                                    config.grad_accum, dropout=config.lora_dropout > 0,
                                                    loss_chunk=config.loss_chunk)
@@ -305,7 +371,8 @@ def jit_steps(graphdef, config: TrainConfig, tx: optax.GradientTransformation, s
     base_shardings = jax.tree.map(lambda x: x.sharding, base)
     train_step = jax.jit(train_fn, in_shardings=(state_shardings, base_shardings, batch),
                          out_shardings=(state_shardings, replicated), donate_argnums=0)
-    eval_step = jax.jit(eval_fn, in_shardings=(state_shardings.lora, base_shardings, batch), out_shardings=replicated)
+    eval_step = None if eval_fn is None else jax.jit(eval_fn, in_shardings=(state_shardings.lora, base_shardings,
+                                                                            batch), out_shardings=replicated)
     return train_step, eval_step
 
 

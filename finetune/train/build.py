@@ -13,15 +13,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from finetune.config import TrainConfig
+from finetune.config import ConfigFileError, TrainConfig
 from finetune.data.packing import PackedRows
 from finetune.data.pairs import PairRows
+from finetune.data.prompts import PromptRows
 from finetune.data.prepare import pack_data, tokenize_data
 from finetune.step.attention_choice import choose_attention
 from finetune.step.checks import check_batch_split, check_experts_split, check_rank, check_seq_len
 from finetune.step.memory import adapter_summary, sharding_table
 from finetune.step.mesh import initialize_distributed, make_mesh
-from finetune.step.train_step import DTYPES, TrainState, jit_steps, make_optimizer, optimizer_shardings, split_model
+from finetune.step.train_step import (DTYPES, TrainState, jit_policy_logps, jit_steps, make_optimizer,
+                                     optimizer_shardings, split_model)
 from finetune.train.reference_pass import with_precomputed_reference
 from jaxmodel.config import ModelConfig
 from jaxmodel.formats.checkpoint import read_manifest
@@ -46,11 +48,13 @@ class Run:
     train_step: Callable
     eval_step: Callable
     batch_sharding: NamedSharding
-    train_rows: PackedRows | PairRows  # PairRows with a preference objective
-    eval_rows: PackedRows | PairRows | None
+    train_rows: PackedRows | PairRows | PromptRows  # PairRows with a preference objective, PromptRows with grpo/rloo
+    eval_rows: PackedRows | PairRows | PromptRows | None
     tokenizer: Any
     data_record: dict[str, dict]  # RunData.record: the tokens the run trains and evaluates on
     frozen: Any = None  # what the steps take beside the state: `base`, or (base, reference adapter or None)
+    reference: Any = None  # the frozen initial adapter a reference runs with (None: the base itself, or none)
+    policy_logps: Callable | None = None  # grpo/rloo: the jitted pass of `train_step.jit_policy_logps`
 
 
 def _place(tree, mesh, rules):
@@ -84,6 +88,9 @@ def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dic
     mesh = make_mesh(config.mesh, devices)
     rules = DEFAULT_RULES
     check_batch_split(config, mesh, rules)
+    if config.policy and mesh.shape.get("cp", 1) > 1:
+        raise ConfigFileError(f"--objective {config.objective} runs on meshes without cp (its sampler holds whole "
+                              f"sequences); got --mesh {config.mesh}")
     model_dir = Path(config.model)
     read_manifest(model_dir)  # a clear error for a directory that is not a converted checkpoint
     llama = ModelConfig.from_hf(model_dir)
@@ -140,7 +147,8 @@ def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dic
         reference = None
     frozen = (base, reference) if config.preference else base
     train_step, eval_step = jit_steps(graphdef, config, tx, schedule, state, frozen, mesh, rules)
+    logps = jit_policy_logps(graphdef, config, state, base, reference, mesh, rules) if config.policy else None
     return Run(config=config, mesh=mesh, llama=llama, model=model, graphdef=graphdef, base=base, state=state,
                train_step=train_step, eval_step=eval_step, batch_sharding=batch_sharding(mesh, rules),
                train_rows=train_rows, eval_rows=eval_rows, tokenizer=tokenizer, data_record=data_record,
-               frozen=frozen)
+               frozen=frozen, reference=reference, policy_logps=logps)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -24,7 +25,9 @@ from finetune.train.metrics import MetricsWriter, measure_peak_flops, peak_memor
 from finetune.run.directory import RunDir
 from finetune.run.errors import RunDirError
 from finetune.run.files import CHECKPOINTS, METRICS, TENSORBOARD
+from finetune.rollout.rewards import Reward, RewardError, load_reward
 from finetune.train.build import Run, setup, with_adapter_shape
+from finetune.train.rollouts import Generation, Rollouts
 from finetune.step.train_step import DTYPES, TrainState
 from jaxmodel.errors import UserError
 
@@ -62,9 +65,10 @@ def run_training(config: TrainConfig) -> RunSummary:
     run settings) and locked for the whole run (see `finetune.run.directory`)."""
     initialize_distributed(config.coordinator, config.num_processes, config.process_id)
     is_main = jax.process_index() == 0  # the one process that writes the run directory
+    rewards = [load_reward(spec) for spec in config.reward]  # a reward that does not load: before anything is written
     run_dir = _claim(config, is_main)
     try:
-        return _train(config, run_dir, is_main)
+        return _train(config, run_dir, is_main, rewards)
     finally:
         run_dir.release()
 
@@ -101,14 +105,14 @@ def _claim(config: TrainConfig, is_main: bool) -> RunDir:
 
 
 def resume(run_dir: RunDir, checkpoints: RunCheckpoints, state: TrainState, run: Run,
-           is_main: bool) -> tuple[TrainState, int]:
-    """The state of the newest intact checkpoint and its data position (global batches consumed). Damaged newer
-    checkpoints are moved aside, metrics.jsonl loses the steps after the one resumed from, and the resume is
-    recorded in resumes.jsonl."""
+           is_main: bool) -> tuple[TrainState, int, dict | None]:
+    """The state of the newest intact checkpoint, its data position (global batches consumed) and the batch of
+    completions it was in the middle of (an online RL run's, else None). Damaged newer checkpoints are moved aside,
+    metrics.jsonl loses the steps after the one resumed from, and the resume is recorded in resumes.jsonl."""
     out = Path(run.config.out)
     try:
         with jax.set_mesh(run.mesh):
-            state, meta, restored, damaged = checkpoints.restore_newest_intact(state)
+            state, meta, restored, damaged = checkpoints.restore_newest_intact(state, run.batch_sharding)
     except CheckpointError as e:
         checkpoints.close()
         raise TrainingError(f"--resume: {e}") from None
@@ -124,7 +128,7 @@ def resume(run_dir: RunDir, checkpoints: RunCheckpoints, state: TrainState, run:
                   f"{restored} (the damaged checkpoints are kept in {moved})", file=sys.stderr)
     run_dir.truncate_metrics(restored)  # metrics.jsonl never holds a step twice
     run_dir.record_resume(restored, damaged, run.data_record)
-    return state, int(meta["data_position"])
+    return state, int(meta["data_position"]), meta.get("rollout")
 
 
 class StopOnSigterm:
@@ -146,7 +150,7 @@ class StopOnSigterm:
         signal.signal(signal.SIGTERM, self._previous)
 
 
-def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
+def _train(config: TrainConfig, run_dir: RunDir, is_main: bool, rewards: list[Reward]) -> RunSummary:
     def check_data(data: dict[str, dict]) -> None:  # every process compares with the record process 0 made
         _on_every_process(lambda: run_dir.check_data(data),
                           "--resume: another process found data other than the run's (see its error)")
@@ -159,8 +163,11 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
         run_dir.start(config, run.data_record)
     checkpoints = RunCheckpoints(out / CHECKPOINTS, config.keep_checkpoints)
     position = 0  # global batches consumed
+    rollouts = Rollouts(config, run, rewards) if config.policy else None
     if config.resume:
-        state, position = resume(run_dir, checkpoints, state, run, is_main)
+        state, position, generation = resume(run_dir, checkpoints, state, run, is_main)
+        if generation is not None:  # stopped between the iterations of a batch of completions: the same batch goes on
+            rollouts.current = Generation(**generation)
     start_step = int(jax.device_get(state.step))
     metrics = MetricsWriter(out, enabled=is_main, purge_step=start_step + 1 if config.resume else None)
     stop = StopOnSigterm().install()
@@ -175,18 +182,25 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
     bar = tqdm(total=config.steps, initial=start_step, desc="finetune", disable=not (config.progress and is_main))
     last_step = min(config.steps, start_step + config.stop_after) if config.stop_after else config.steps
     evaluating = run.eval_rows is not None and config.eval_every > 0
-    rows_per_step = train_rows.rows_per_step if config.preference else config.batch_size
+    rows_per_step = train_rows.rows_per_step if config.preference else config.rows_per_step
     reader = _StepReader(config, checkpoints, bar, flops, peak, start_step, rows_per_step)
 
     def log(step: int, record: dict) -> None:  # called once the step is read, so the memory read waits on nothing
-        if step % config.log_every == 0 or step == config.steps:
+        if step % config.log_every == 0 or step == config.steps or step == 0:
             peak_memory = peak_memory_gb(memory_devices)
             if peak_memory is not None:
                 record = {**record, "peak_memory_gb": peak_memory}
             _write_metrics(metrics, out, step, record)
 
+    def evaluation(state: TrainState) -> dict:
+        return rollouts.evaluate(state) if rollouts is not None else evaluate(run, state, config)
+
     def save(state: TrainState, step: int) -> None:
-        checkpoints.save(state, {"data_position": position + step - start_step, "step": step})
+        meta = {"data_position": position + step - start_step, "step": step}
+        generation = None
+        if rollouts is not None and step % config.num_iterations:  # the next step trains on the same completions
+            generation = rollouts.current
+        checkpoints.save(state, meta, generation)
 
     # Step s + 1 is started before step s's metrics are read, so the devices never wait for the host. A step
     # whose state is needed (eval, checkpoint) is read before the next one starts: the next step donates the
@@ -195,19 +209,32 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
     pending = None  # (step, metrics) of the newest step started and not yet read
     make_batch = ((lambda g: pair_batch(train_rows, batch_sharding, g)) if config.preference
                   else (lambda g: batch_at(train_rows, config, batch_sharding, g)))
-    batches = Prefetcher(make_batch, position,
-                         position + last_step - start_step, PREFETCH_DEPTH)
+    # an online RL run's batches are sampled from the policy of the step before: nothing can be built ahead
+    batches = (contextlib.nullcontext() if rollouts is not None else
+               Prefetcher(make_batch, position, position + last_step - start_step, PREFETCH_DEPTH))
     finished = False  # the step loop and the last save came through: a close's own error is the run's
     try:
         with jax.set_mesh(mesh), batches:
+            if rollouts is not None and run.eval_rows is not None and not config.resume:
+                log(0, rollouts.evaluate(state))  # the base's held-out rewards, which training is measured against
+                reader.restart_clock()
             while started_step < last_step and not stop.requested:
                 try:
-                    _, batch = next(batches)
-                except Exception:
+                    if rollouts is not None:
+                        batch, generated = rollouts.batch_for(state, started_step + 1)
+                    else:
+                        _, batch = next(batches)
+                except Exception as e:
                     if pending is not None:  # read first, as a loop that builds each batch after the step before
                         log(*reader.read(*pending))
+                    if isinstance(e, RewardError):  # the user's function: what it did, and what the run kept
+                        kept = checkpoints.latest_step()
+                        raise TrainingError(f"{e}; stopped before step {started_step + 1}; newest checkpoint kept: "
+                                            f"{'step ' + str(kept) if kept is not None else 'none'}") from None
                     raise
                 state, m = run.train_step(state, frozen, batch)
+                if rollouts is not None:
+                    m = {**m, **generated}
                 started_step += 1
                 if pending is not None:
                     log(*reader.read(*pending))
@@ -217,7 +244,7 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
                     step, record = reader.read(*pending)
                     pending = None
                     if eval_now:
-                        record.update(evaluate(run, state, config))
+                        record.update(evaluation(state))
                     log(step, record)
                     if step % config.checkpoint_every == 0:
                         save(state, step)
@@ -229,7 +256,7 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool) -> RunSummary:
             if reader.done > saved:  # the last step (the end, --stop-after, SIGTERM) is always checkpointed
                 save(state, reader.done)
             if run.eval_rows is not None and not config.eval_every and reader.done == config.steps:
-                _write_metrics(metrics, out, reader.done, evaluate(run, state, config))
+                _write_metrics(metrics, out, reader.done, evaluation(state))
             checkpoints.close()  # waits for the last save: a run is done when its checkpoint is
             finished = True
     except CheckpointSaveError as e:
@@ -286,7 +313,7 @@ class _StepReader:
                                 f"kept: {'step ' + str(kept) if kept is not None else 'none'}")
         assert step == self.done + 1, (step, self.done)
         self.done = step
-        tokens = self.tokens_per_step
+        tokens = m.pop("_positions", self.tokens_per_step)  # an online RL step's rows: their prompts' bucket long
         self.tokens_seen += tokens
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.last_loss = loss
@@ -294,13 +321,15 @@ class _StepReader:
         postfix = {"loss": f"{loss:.4f}"}
         if "rewards/accuracies" in m:  # a preference objective: how often the chosen completion wins
             postfix["accuracy"] = f"{float(m['rewards/accuracies']):.2f}"
+        if "reward" in m:  # an online RL objective: the mean reward of the step's completions
+            postfix["reward"] = f"{float(m['reward']):.3f}"
         self.bar.set_postfix(postfix)
         record = {"loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
                   "tokens_per_s": tokens / seconds, "mfu": self.flops * tokens / seconds / self.peak,
                   "target_tokens": int(m["tokens"])}
-        for name, value in m.items():  # a preference objective's metrics, in the step's order
+        for name, value in m.items():  # an objective's own metrics, in the step's order
             if name not in ("loss", "lr", "grad_norm", "tokens"):
-                record[name] = int(value) if name == "pairs" else float(value)
+                record[name] = int(value) if name == "pairs" else value if isinstance(value, list) else float(value)
         return step, record
 
 

@@ -81,10 +81,27 @@ class MetricsWriter:
         self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self._jsonl.flush()
         for key, value in metrics.items():
-            if value is not None:
+            if isinstance(value, list):  # records (sampled completions): a table of text
+                self._tb.add_text(key, _markdown_table(value), step)
+            elif value is not None:
                 self._tb.add_scalar(key, value, step)
 
     def close(self) -> None:
         if self.enabled:
             self._jsonl.close()
             self._tb.close()
+
+
+def _markdown_table(records: list[dict]) -> str:
+    """Records as a Markdown table (TensorBoard renders a text summary as Markdown)."""
+    if not records:
+        return ""
+    columns = list(records[0])
+
+    def cell(value) -> str:
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in records]
+    return "\n".join(lines)
