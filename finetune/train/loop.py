@@ -313,7 +313,9 @@ class _StepReader:
                                 f"kept: {'step ' + str(kept) if kept is not None else 'none'}")
         assert step == self.done + 1, (step, self.done)
         self.done = step
-        tokens = m.pop("_positions", self.tokens_per_step)  # an online RL step's rows: their prompts' bucket long
+        if "_positions" in m:  # an online RL step: its rows as long as their prompts' bucket, its sampling included
+            m["time/step_s"] = seconds
+        tokens = m.pop("_positions", self.tokens_per_step)
         self.tokens_seen += tokens
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.last_loss = loss

@@ -84,6 +84,7 @@ class Rollouts:
         config, run = self.config, self.run
         prompts, g = run.train_rows, self.generations
         rows = np.repeat(prompts.batch_rows(config.seed, k, config.batch_size), g)  # completion i: prompt i // G
+        jax.block_until_ready(state.lora)  # the step before, finished: the clock times the sampler alone
         began = time.perf_counter()
         ids, mask, tokens, lengths = self._sample(state, prompts, rows, self.sampler_key(k))
         sampled = time.perf_counter()
