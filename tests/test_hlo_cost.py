@@ -213,3 +213,10 @@ def test_a_conditional_under_a_scope_with_a_share_counts_its_true_branch_that_sh
     assert "jvp(expert_block)/cond" in grad
     every = step_cost(grad, devices=1).flops
     assert every >= 3 * dot and step_cost(grad, devices=1, shares={scopes.EXPERT_BLOCK: 0.25}).flops == every / 4
+
+
+def test_a_loop_without_a_known_trip_count_runs_as_often_as_told():
+    """A sampler's decode loop ends when every row has stopped: a plan counts it at its most."""
+    cost = step_cost(MODULE.replace(',"known_trip_count":{"n":"3"}', ""), devices=8, unknown_trips=5)
+    assert cost.unknown_trip_counts == []
+    assert cost.flops == 5 * 2 * 2 * 4 * 16 * 8  # 5 outer trips, the inner loop's 2 each

@@ -121,6 +121,37 @@ def test_a_dpo_plan_holds_two_rows_a_pair(small_config):
     assert dpo >= sft_rows > sft_pairs
 
 
+@pytest.mark.slow
+def test_a_grpo_plan_holds_its_samplers_kv_cache_and_predicts_its_rollout(small_config):
+    """`--objective grpo` with two iterations and beta > 0: the training step on B x G rows of --seq-len, the sampler
+    (its KV cache, layers x rows x KV heads x (prompt + completion) x head width x keys and values, among its
+    temporaries; every decode step counted), the log-prob passes (old and reference); a step's time the training
+    step's and half (one rollout in two steps) the rollout's."""
+    from finetune.planning.fit import command_line
+
+    def config(completion: int, grad_accum: int = 1) -> TrainConfig:
+        return TrainConfig(plan=True, model_config=str(small_config), mesh="dp=1,fsdp=1,mp=1", batch_size=4,
+                           seq_len=16 + completion, dtype="float32", objective="grpo", reward=("equals:a",),
+                           num_generations=4, max_completion_length=completion, num_iterations=2, beta=0.1,
+                           grad_accum=grad_accum).validate()
+
+    report = plan(config(16))
+    sampler, passes = report.rollout
+    assert sampler.name.startswith("sampler (prefill and 15 decode steps)") and passes.name.startswith("log-prob")
+    kv_cache = 2 * 16 * 2 * 32 * 16 * 2 * 4  # layers x rows x KV heads x slots x head width x (K, V) x float32
+    assert sampler.temp >= kv_cache and report.temp == max(report.temp, sampler.temp, passes.temp)
+    assert sampler.cost.unknown_trip_counts == [] and sampler.runs == passes.runs == 0.5
+    assert report.step_seconds == pytest.approx(report.prediction.step_seconds + (sampler.seconds + passes.seconds) / 2)
+    longer = plan(config(48)).rollout[0]  # three times the decode steps, over longer caches: more than twice the work
+    assert longer.cost.flops > 2 * sampler.cost.flops and longer.temp > sampler.temp
+    text = str(report)
+    assert "rollout: 4 prompts x 4 completions, prompts of 16 tokens" in text and "a step with its share" in text
+    assert "--reward equals:a" in command_line(config(16))
+    # a step of 16 micro-batches holds a row at a time, the sampler every row: its temporaries are the verdict's
+    accumulated = plan(config(16, grad_accum=16))
+    assert accumulated.temp == accumulated.rollout[0].temp > accumulated.rollout[1].temp
+
+
 def test_cli_bad_allocator_variable_is_one_line_before_compiling(small_config, capsys, monkeypatch):
     monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.8")
@@ -144,6 +175,17 @@ def test_fit_tries_every_split_of_the_named_devices_with_mp_within_the_kv_heads(
     two = meshes(dataclasses.replace(config, mesh="dp=1,fsdp=2,mp=1"), llama, 8, 8)
     assert len(two) == 4 and all(math.prod(m.values()) == 2 for m in two)
     assert max(m["mp"] for m in meshes(config, ModelConfig.from_hf({**SMALL, "num_key_value_heads": 4}), 8, 2)) == 2
+
+
+def test_fit_tries_no_cp_mesh_for_an_online_rl_run(tmp_path, capsys):
+    """The sampler holds whole sequences: a grpo run refuses cp, and --fit does not plan it."""
+    llama = ModelConfig.from_hf(LLAMA_405B)
+    config = TrainConfig(plan=True, model_config=str(LLAMA_405B), objective="grpo", reward=("equals:a",))
+    assert {m["cp"] for m in meshes(config, llama, 8, 8)} == {1}
+    assert main(["--plan", "--model-config", str(LLAMA_405B), "--objective", "grpo", "--reward", "equals:a",
+                 "--mesh", "dp=1,fsdp=4,cp=2,mp=1", "--seq-len", "1024"]) == 2
+    assert capsys.readouterr().err.strip() == ("finetune-lora: error: --objective grpo runs on meshes without cp (its "
+                                               "sampler holds whole sequences); got --mesh dp=1,fsdp=4,cp=2,mp=1")
 
 
 def test_fit_tries_each_meshs_settings_fastest_first():

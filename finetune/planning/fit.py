@@ -118,18 +118,18 @@ class FitReport:
 
 
 def _seconds(report: PlanReport) -> float:
-    return report.prediction.step_seconds if report.prediction is not None else math.inf
+    return report.step_seconds
 
 
 def meshes(config: TrainConfig, llama: ModelConfig, device_count: int, host_devices: int) -> list[dict[str, int]]:
     """Every dp x fsdp x cp x mp split (powers of two) of the devices the given mesh names, the given one first;
-    mp at most the KV heads and the devices of one host."""
+    mp at most the KV heads and the devices of one host; no cp for an online RL run (`checks.check_policy_mesh`)."""
     given = parse_mesh(config.mesh, device_count)
     used = math.prod(given.values())
     most_mp = min(llama.num_key_value_heads, host_devices, used)
     out = [given]
     for mp in _powers_of_two(most_mp):
-        for cp in _powers_of_two(used // mp):
+        for cp in _powers_of_two(used // mp) if not config.policy else [1]:
             for fsdp in _powers_of_two(used // (mp * cp)):
                 dp = used // (mp * cp * fsdp)
                 mesh = {"dp": dp, "fsdp": fsdp, "cp": cp, "mp": mp}
@@ -248,6 +248,8 @@ def command_line(config: TrainConfig) -> str:
         flag = f"--{flag_of(field.name)}"
         if isinstance(value, bool):
             words.append(flag if value else f"--no-{flag_of(field.name)}")
+        elif isinstance(value, tuple):  # a repeated flag
+            words += [word for one in value for word in (flag, one)]
         else:
             words += [flag, str(value if value is not None else placeholders[field.name])]
     return shlex.join(words)

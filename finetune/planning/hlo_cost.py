@@ -193,43 +193,47 @@ def trip_count(inst: Instruction) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def step_cost(text: str, devices: int, cpu_16bit: bool = False, shares: dict[str, float] | None = None) -> StepCost:
+def step_cost(text: str, devices: int, cpu_16bit: bool = False, shares: dict[str, float] | None = None,
+              unknown_trips: int | None = None) -> StepCost:
     """The costs of one run of the compiled module `text` on each of its `devices` (module docstring). `shares`:
     for a two-way conditional under a named scope it names (in its op_name), the share of its runs that take the
-    true branch (`jax.lax.cond`'s second); any other conditional counts every branch at each run."""
+    true branch (`jax.lax.cond`'s second); any other conditional counts every branch at each run. `unknown_trips`:
+    how often a loop without a known trip count runs (a sampler's decode loop, which ends when every row has
+    stopped: planned at its most); without it such a loop counts once and is named in `unknown_trip_counts`."""
     module = parse_hlo(text)
     cost = StepCost()
-    _walk(module, module.entry, 1, cost, devices, cpu_16bit, shares or {})
+    _walk(module, module.entry, 1, cost, devices, cpu_16bit, shares or {}, unknown_trips)
     return cost
 
 
 def _walk(module: Module, computation: str, times: float, cost: StepCost, devices: int, cpu_16bit: bool,
-          shares: dict[str, float]) -> None:
+          shares: dict[str, float], unknown_trips: int | None = None) -> None:
     instructions = module.computations[computation]
     for inst in instructions.values():
         if inst.opcode == "while":
             n = trip_count(inst)
-            if n is None:
+            if n is None and unknown_trips is None:
                 cost.unknown_trip_counts.append(inst.name)
+            n = unknown_trips if n is None else n
             for body in inst.called.get("body", []):
-                _walk(module, body, times * (n or 1), cost, devices, cpu_16bit, shares)
+                _walk(module, body, times * (n or 1), cost, devices, cpu_16bit, shares, unknown_trips)
             for condition in inst.called.get("condition", []):  # evaluated once more than the body runs
-                _walk(module, condition, times * ((n or 1) + 1), cost, devices, cpu_16bit, shares)
+                _walk(module, condition, times * ((n or 1) + 1), cost, devices, cpu_16bit, shares, unknown_trips)
             continue
         branches = inst.called.get("branch_computations", []) if inst.opcode == "conditional" else []
         share = next((v for scope, v in shares.items() if _in_scope(inst.op_name, scope)), None)
         if share is not None and len(branches) == 2:
             for branch, runs in zip(branches, (1 - share, share)):  # false, true
-                _walk(module, branch, times * runs, cost, devices, cpu_16bit, shares)
+                _walk(module, branch, times * runs, cost, devices, cpu_16bit, shares, unknown_trips)
             continue
         if inst.opcode in ("call", "conditional"):
             for key in ("calls", "to_apply", "branch_computations"):
                 for called in inst.called.get(key, []):
-                    _walk(module, called, times, cost, devices, cpu_16bit, shares)
+                    _walk(module, called, times, cost, devices, cpu_16bit, shares, unknown_trips)
             continue
         if inst.opcode == "async-start":  # a collective wrapped in an async computation
             for called in inst.called.get("calls", []):
-                _walk(module, called, times, cost, devices, cpu_16bit, shares)
+                _walk(module, called, times, cost, devices, cpu_16bit, shares, unknown_trips)
             continue
         kind = _collective_kind(inst.opcode)
         if kind is not None:

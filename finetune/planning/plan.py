@@ -26,13 +26,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from finetune.config import ConfigFileError, TrainConfig
 from finetune.step.memory import per_device_bytes, sharding_table
 from finetune.step.mesh import make_mesh
-from finetune.step.checks import check_batch_split, check_experts_split, check_rank, check_seq_len, layer_shapes
+from finetune.step.checks import (check_batch_split, check_experts_split, check_policy_mesh, check_rank,
+                                  check_seq_len, layer_shapes)
 from finetune.step.train_step import (DTYPES, FLOAT_BATCH_KEYS, TrainState, batch_keys, jit_steps, make_optimizer,
                                      optimizer_shardings, split_model)
 from finetune.planning.allocator import FRACTION, UsableMemory, fraction_to_fit, usable_memory
 from finetune.planning.devices import DeviceModel, default_device_model, load_device_model
 from finetune.planning.hlo_cost import StepCost, step_cost
 from finetune.planning.plan_json import plan_record
+from finetune.planning.rollout import Phase, plan_rollout, prompt_tokens, rollout_lines
 from finetune.planning.timing import Prediction, predict
 from finetune.step.flops import flops_per_token
 from jaxmodel.config import ModelConfig
@@ -67,6 +69,16 @@ class PlanReport:
     quantization: Quantization | None = None
     prediction: Prediction | None = None
     cost: StepCost | None = None  # the compiled step's counts the prediction is made of
+    rollout: list[Phase] = dataclasses.field(default_factory=list)  # an online RL run's sampler and log-prob passes
+    rollout_lines: list[str] = dataclasses.field(default_factory=list)  # shown after the training step's time
+
+    @property
+    def step_seconds(self) -> float:
+        """A step's predicted time: the training step's, and an online RL run's share of its rollout (inf without a
+        prediction)."""
+        if self.prediction is None or any(phase.prediction is None for phase in self.rollout):
+            return math.inf
+        return self.prediction.step_seconds + sum(phase.seconds * phase.runs for phase in self.rollout)
 
     @property
     def margin(self) -> float:
@@ -109,7 +121,7 @@ class PlanReport:
         rows = [("frozen weights", self.weights), ("LoRA params + AdamW state", self.lora_and_optimizer),
                 ("batch", self.batch), ("activations / temporaries", self.temp),
                 (f"margin ({TEMPORARIES_MARGIN:.0%} of temporaries, measured)", self.margin), ("total", self.total)]
-        out = self.lines + (self.prediction.lines() if self.prediction is not None else [])
+        out = self.lines + (self.prediction.lines() if self.prediction is not None else []) + self.rollout_lines
         out += [f"memory per device, mesh {mesh}, {self.backend} compiler (compiled in {self.compile_seconds:.0f} s):"]
         out += [f"  {name:<40} {value / GB:10.2f} GB" for name, value in rows]
         out[-1] += f"  (compiler's figure {self.compiler_total / GB:.2f} GB)"
@@ -175,14 +187,16 @@ def plan_device_model(config: TrainConfig) -> DeviceModel:
     return default_device_model(jax.devices()[0].device_kind, jax.default_backend())
 
 
-def expert_block_shares(config: TrainConfig, llama: ModelConfig, mesh) -> dict[str, float]:
+def expert_block_shares(config: TrainConfig, llama: ModelConfig, mesh, positions: int | None = None
+                        ) -> dict[str, float]:
     """For `step_cost`: the share of the experts' grouped-matmul blocks that run when the routing is balanced
     (`jaxmodel.moe.balanced_block_share`), the work a grouped GEMM does, where the compiled loop's length is the
-    worst routing's; {} for a model without experts."""
+    worst routing's; {} for a model without experts. `positions`: of each row a pass computes (a decode step's 1;
+    default --seq-len)."""
     if not llama.num_experts:
         return {}
     rows = config.step_rows // config.grad_accum
-    tokens = rows // batch_ways(mesh, DEFAULT_RULES) * config.seq_len // mesh.shape["cp"]
+    tokens = rows // batch_ways(mesh, DEFAULT_RULES) * (positions or config.seq_len) // mesh.shape["cp"]
     mp = mesh.shape["mp"]
     tokens = tokens // mp if tokens % mp == 0 else tokens  # mp's devices share a device's tokens
     ways = math.prod(mesh.shape[a] for a in expert_axes(mesh, DEFAULT_RULES, llama.num_experts))
@@ -203,6 +217,9 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
     check_experts_split(llama, mesh, DEFAULT_RULES)
     check_rank(config, llama)
     check_batch_split(config, mesh, DEFAULT_RULES)
+    check_policy_mesh(config, mesh)
+    if config.policy:
+        prompt_tokens(config)  # a --seq-len that holds no prompt: before any compile
     quantization, quantization_source = plan_quantization(config)
     if quantization is not None:
         for name, (in_features, out_features) in layer_shapes(llama).items():
@@ -237,9 +254,8 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
                      f"{'none' if reference is None else reference + _reference_where(config)}")
     if config.policy:
         lines.append(f"objective {config.objective}: {config.batch_size} prompts x {config.value('num_generations')} "
-                     f"completions in {config.rows_per_step} rows of --seq-len {config.seq_len} (a prompt's bucket and "
-                     f"its completion) a step; the training step alone: the sampler, its KV cache and the log-prob "
-                     f"passes are not planned yet")
+                     f"completions in {config.rows_per_step} rows of --seq-len {config.seq_len} (a prompt and its "
+                     f"completion) a step; its rollout below")
     if cpu_16bit:
         # The CPU compiler turns 16-bit matmuls into float32 ones and hoists float32 copies of the weights,
         # so its temporaries for a bf16 step say little about an accelerator. Every temporary of the step
@@ -258,12 +274,24 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
                                        collectives=cost.collectives)
     else:
         temp = float(compiled.memory_analysis().temp_size_in_bytes)
+    rollout = []
+    if config.policy:
+        rollout_trees = (_trees(config, llama, mesh, jnp.float32, jnp.float32, quantization) if cpu_16bit
+                         else _trees(config, llama, mesh, dtype, stored, quantization))
+        rollout = plan_rollout(config, llama, mesh, rollout_trees, device if cost is not None else None,
+                               itemsize / 4 if cpu_16bit else 1.0, expert_block_shares(config, llama, mesh, 1))
+        temps = [("training step", temp)] + [(phase.name.split(" (")[0], phase.temp) for phase in rollout]
+        lines.append("temporaries a device by phase (the largest counts below): " +
+                     ", ".join(f"{name} {value / GB:.2f} GB" for name, value in temps))
+        temp = max(value for _, value in temps)
     prediction = None
     if cost is not None:
         tokens = config.step_rows * config.seq_len
         prediction = predict(cost, device, config.dtype, tokens,
                              flops_per_token(llama, config.seq_len, config.reference_forward) * tokens, mesh.size,
                              bytes_scale=itemsize / 4 if cpu_16bit else 1.0)
+    after = rollout_lines(config, rollout, prediction.step_seconds if prediction is not None else None) \
+        if rollout else []
     if config.show_sharding:
         lines = sharding_table(trees["base"], trees["lora"]) + lines
     return PlanReport(mesh=dict(mesh.shape), backend=backend, weights=per_device_bytes(trees["base"]),
@@ -271,7 +299,7 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
                       batch=per_device_bytes(trees["batch"]), temp=temp,
                       compile_seconds=time.perf_counter() - start, hbm=config.hbm_gb * GB, usable=usable,
                       lines=lines, frozen_parameters=frozen, quantization=quantization, prediction=prediction,
-                      cost=cost)
+                      cost=cost, rollout=rollout, rollout_lines=after)
 
 
 def _reference_where(config: TrainConfig) -> str:
@@ -280,19 +308,26 @@ def _reference_where(config: TrainConfig) -> str:
     return " (in the step, under stop_gradient)"
 
 
+def _trees(config: TrainConfig, llama: ModelConfig, mesh, dtype, param_dtype,
+           quantization: Quantization | None = None):
+    """(graphdef, LoRA state, frozen base) of the planned model, its arrays abstract and laid out on `mesh`."""
+    with jax.set_mesh(mesh):
+        def build():
+            model = CausalLM(llama, dtype=dtype, param_dtype=param_dtype, remat=config.remat,
+                             attention=config.attention_impl(mesh.shape["cp"]), mlp_chunk=config.mlp_chunk,
+                             rules=DEFAULT_RULES, quantization=quantization, rngs=nnx.Rngs(0))
+            return apply_lora(model, config.lora_config(llama), rngs=nnx.Rngs(0))
+
+        graphdef, lora, base = split_model(nnx.eval_shape(build))
+        return graphdef, _abstract_on(lora, mesh, DEFAULT_RULES), _abstract_on(base, mesh, DEFAULT_RULES)
+
+
 def _compile(config: TrainConfig, llama: ModelConfig, mesh, dtype, param_dtype,
              quantization: Quantization | None = None, lower: bool = True):
     """The run's jit train step, lowered and compiled from abstract, sharded inputs (None unless `lower`), and
     those inputs."""
+    graphdef, lora, base = _trees(config, llama, mesh, dtype, param_dtype, quantization)
     with jax.set_mesh(mesh):
-        def build():
-            model = CausalLM(llama, dtype=dtype, param_dtype=param_dtype, remat=config.remat,
-                                     attention=config.attention_impl(mesh.shape["cp"]), mlp_chunk=config.mlp_chunk,
-                                     rules=DEFAULT_RULES, quantization=quantization, rngs=nnx.Rngs(0))
-            return apply_lora(model, config.lora_config(llama), rngs=nnx.Rngs(0))
-
-        graphdef, lora, base = split_model(nnx.eval_shape(build))
-        lora, base = _abstract_on(lora, mesh, DEFAULT_RULES), _abstract_on(base, mesh, DEFAULT_RULES)
         tx, schedule = make_optimizer(config)
         replicated = NamedSharding(mesh, PartitionSpec())
         opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),

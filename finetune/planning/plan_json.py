@@ -47,6 +47,9 @@ def plan_record(config: TrainConfig, report) -> dict:
         record["device_model"] = report.prediction.device
         record["predicted"] = report.prediction.as_json()
         record["collectives"] = report.prediction.collectives
+    if report.rollout:  # an online RL run's sampler and log-prob passes, and a step with its share of them
+        record["rollout"] = [phase.as_json() for phase in report.rollout]
+        record["step_seconds_with_rollout"] = report.step_seconds
     return record
 
 

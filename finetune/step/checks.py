@@ -23,6 +23,13 @@ def check_batch_split(config: TrainConfig, mesh: Mesh, rules: Rules) -> None:
                               "(each device holds whole rows)")
 
 
+def check_policy_mesh(config: TrainConfig, mesh: Mesh) -> None:
+    """An online RL run's mesh has no cp axis: its sampler holds whole sequences on a device."""
+    if config.policy and mesh.shape.get("cp", 1) > 1:
+        raise ConfigFileError(f"--objective {config.objective} runs on meshes without cp (its sampler holds whole "
+                              f"sequences); got --mesh {config.mesh}")
+
+
 def check_seq_len(config: TrainConfig, llama: ModelConfig, mesh: Mesh) -> None:
     if config.seq_len > llama.max_position_embeddings:
         raise ConfigFileError(f"--seq-len {config.seq_len} exceeds the model's max_position_embeddings "

@@ -21,7 +21,20 @@ def flops_per_token(config: ModelConfig, seq_len: int, reference_forward: bool =
     2N. Total 4N + 6·L·T·(Hqk + Hv). LoRA's own matmuls (rank r) are under 1% at r=8 and are left out. With
     `reference_forward` (DPO, IPO: the reference model runs in the same step) one more forward.
     """
-    c = config
+    n, attention = _weights_and_attention(config, seq_len)
+    forward = 2.0 * n + 2.0 * attention
+    return 4.0 * n + 6.0 * attention + (forward if reference_forward else 0.0)
+
+
+def forward_flops_per_token(config: ModelConfig, context: int) -> float:
+    """Model FLOPs of one token's forward pass over `context` earlier tokens (a sampler's decode step, a log-prob
+    pass): 2N + 2·L·context·(Hqk + Hv), counted as `flops_per_token` counts them."""
+    n, attention = _weights_and_attention(config, context)
+    return 2.0 * n + 2.0 * attention
+
+
+def _weights_and_attention(c: ModelConfig, seq_len: int) -> tuple[float, float]:
+    """(N, L·T·(Hqk + Hv)) of `flops_per_token`."""
     shapes = layer_shapes(c)
     attention_weights = sum(math.prod(shapes[name]) for name in attention_targets(c))
     dense = 3 * c.hidden_size * c.intermediate_size
@@ -30,6 +43,4 @@ def flops_per_token(config: ModelConfig, seq_len: int, reference_forward: bool =
     n = sum(attention_weights + (sparse if s else dense) for s in c.sparse_layers or (False,) * c.num_hidden_layers)
     n += c.hidden_size * c.vocab_size
     widths = c.num_attention_heads * ((c.qk_head_dim + c.v_head_dim) if c.kv_lora_rank else 2 * c.head_dim)
-    attention = sum(min(seq_len, w or seq_len) for w in c.layer_windows()) * widths
-    forward = 2.0 * n + 2.0 * attention
-    return 4.0 * n + 6.0 * attention + (forward if reference_forward else 0.0)
+    return float(n), float(sum(min(seq_len, w or seq_len) for w in c.layer_windows()) * widths)

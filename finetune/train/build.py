@@ -13,13 +13,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from finetune.config import ConfigFileError, TrainConfig
+from finetune.config import TrainConfig
 from finetune.data.packing import PackedRows
 from finetune.data.pairs import PairRows
 from finetune.data.prompts import PromptRows
 from finetune.data.prepare import pack_data, tokenize_data
 from finetune.step.attention_choice import choose_attention
-from finetune.step.checks import check_batch_split, check_experts_split, check_rank, check_seq_len
+from finetune.step.checks import check_batch_split, check_experts_split, check_policy_mesh, check_rank, check_seq_len
 from finetune.step.memory import adapter_summary, sharding_table
 from finetune.step.mesh import initialize_distributed, make_mesh
 from finetune.step.train_step import (DTYPES, TrainState, jit_policy_logps, jit_steps, make_optimizer,
@@ -88,9 +88,7 @@ def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dic
     mesh = make_mesh(config.mesh, devices)
     rules = DEFAULT_RULES
     check_batch_split(config, mesh, rules)
-    if config.policy and mesh.shape.get("cp", 1) > 1:
-        raise ConfigFileError(f"--objective {config.objective} runs on meshes without cp (its sampler holds whole "
-                              f"sequences); got --mesh {config.mesh}")
+    check_policy_mesh(config, mesh)
     model_dir = Path(config.model)
     read_manifest(model_dir)  # a clear error for a directory that is not a converted checkpoint
     llama = ModelConfig.from_hf(model_dir)
