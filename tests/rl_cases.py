@@ -114,6 +114,7 @@ def first_rollout_step(config, devices=None) -> dict[str, np.ndarray]:
     arrays, loss, grads, (tokens, logprobs, lengths) = gathered
     arrays["sampler_logps"] = rollout_rows(ids, mask, np.asarray(tokens), np.asarray(lengths), np.zeros(len(rows)),
                                            np.asarray(logprobs), config.grad_accum)["old_logps"]
+    arrays["sampler_logps"] = arrays["sampler_logps"][:, :arrays["input_ids"].shape[1]]  # the rows' completion width
     flat = {".".join(map(str, k)): np.asarray(v[...] if hasattr(v, "get_value") else v)
             for k, v in nnx.to_flat_state(grads)}
     return {**{k: np.asarray(v) for k, v in arrays.items()}, "loss": np.asarray(loss), **flat}

@@ -62,3 +62,23 @@ def test_the_training_forward_scores_each_sampled_token_as_the_sampler_drew_it(t
         losses.append(float(loss))
     assert abs(losses[0]) > 1e-4  # advantages of both signs with unequal lengths: a nonzero loss
     assert abs(losses[1] - losses[0]) <= 1e-6 * abs(losses[0])
+
+
+def test_rows_keep_the_longest_completions_bucket_and_lose_only_padding():
+    """Completions of 3 and 5 tokens drawn with room for 40 keep 16 positions (the smallest bucket): the rows equal
+    the whole rows cut there, and nothing cut was a completion token."""
+    from finetune.rollout.batch import completion_width
+
+    assert (completion_width(np.array([3, 5]), 40), completion_width(np.array([20]), 24)) == (16, 24)
+    assert completion_width(np.array([600, 7]), 2048) == 1024 and completion_width(np.array([0]), 8) == 8
+    rng = np.random.default_rng(0)
+    ids, mask = left_padded([[5, 6, 7], [8]], 16, pad=0)
+    tokens, lengths = rng.integers(1, 100, (2, 40)), np.array([3, 5])
+    tokens[np.arange(40)[None, :] >= lengths[:, None]] = 0
+    logps = np.where(tokens > 0, -rng.random((2, 40)), 0.0)
+    whole = rollout_rows(ids, mask, tokens, lengths, np.array([1.0, -1.0]), logps)
+    width = completion_width(lengths, 40)
+    cut = rollout_rows(ids, mask, tokens[:, :width], lengths, np.array([1.0, -1.0]), logps[:, :width])
+    for name, value in cut.items():
+        np.testing.assert_array_equal(value, whole[name][:, :16 + width], err_msg=name)
+    assert not whole["loss_mask"][:, 16 + width:].any()

@@ -2,7 +2,7 @@
 rollout batch), and the prompt lengths the sampler compiles for.
 
 Each completion is one row: its prompt left-padded to the step's prompt bucket, then its completion (padded after its
-stop): `[prompts x G, bucket + max_new_tokens]`. Positions count the real tokens from 0, as the sampler's do, so the
+stop): `[prompts x G, bucket + width]`, the width the longest completion's bucket (`completion_width`). Positions count the real tokens from 0, as the sampler's do, so the
 training forward scores each token where it was drawn.
 """
 
@@ -22,6 +22,13 @@ def prompt_bucket(longest: int) -> int:
             return bucket
     step = PROMPT_BUCKETS[-1]
     return -(-longest // step) * step
+
+
+def completion_width(lengths: np.ndarray, most: int) -> int:
+    """The completion positions a batch's rows keep: its longest completion's, padded up to a prompt bucket, at most
+    `most` (--max-completion-length). Short completions train in short rows, and a run compiles its step for a
+    handful of widths."""
+    return min(most, prompt_bucket(max(int(np.max(lengths)), 1)))
 
 
 def left_padded(prompts: list[list[int]], length: int, pad: int) -> tuple[np.ndarray, np.ndarray]:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from finetune.config import TrainConfig
-from finetune.rollout.batch import left_padded, prompt_bucket, rollout_rows
+from finetune.rollout.batch import completion_width, left_padded, prompt_bucket, rollout_rows
 from finetune.rollout.rewards import Reward, TrainerState, score
 from finetune.step.policy import PolicyObjective, group_advantages, leave_one_out_advantages
 from finetune.train.batches import local_row_range
@@ -90,6 +90,7 @@ class Rollouts:
         sampled = time.perf_counter()
         stopped = _stopped(tokens, lengths, self.sampling.eos)
         trained = stopped if config.mask_truncated_completions else None
+        tokens = tokens[:, :completion_width(lengths, self.sampling.max_new_tokens)]  # nothing real is cut
         layout = rollout_rows(ids, mask, tokens, lengths, np.zeros(len(rows), np.float32),
                               grad_accum=config.grad_accum, trained=trained)
         batch = self._global(layout)
