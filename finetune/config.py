@@ -136,6 +136,10 @@ class TrainConfig:
                                   resume=Refused("which rows of --data are held out, so which rows train"))
     eval_every: int = option(0, "evaluate every N steps (0: only at the end, if there is eval data)",
                              resume=Allowed("when to evaluate, not what"))
+    eval_generate: int = option(0, "at each evaluation, also complete the first N held-out prompts (greedily, at most "
+                                   "--max-completion-length tokens; an online RL objective as it samples) and write "
+                                   "them with the step's metrics (metrics.jsonl, TensorBoard text), beside each "
+                                   "prompt's own reply or reward", resume=Allowed("what an evaluation also writes"))
     # mesh and hosts
     mesh: str = option("dp=1,fsdp=-1,mp=1", "device mesh sizes; one size may be -1 (all remaining devices)",
                        resume=Allowed("the layout only: restore reshards, and losses agree across meshes to 1e-5"))
@@ -239,7 +243,8 @@ class TrainConfig:
     num_generations: int | None = option(
         None, "grpo/rloo: completions sampled for each prompt, G (each step trains --batch-size x G completions)",
         resume=Refused("the completions each step trains on"))
-    max_completion_length: int = option(512, "grpo/rloo: the most tokens a sampled completion has",
+    max_completion_length: int = option(512, "grpo/rloo: the most tokens a sampled completion has (and, with "
+                                             "--eval-generate, an evaluation's completions under any objective)",
                                         resume=Refused("the completions each step trains on"))
     temperature: float = option(1.0, "grpo/rloo: the sampling temperature (log-probabilities are taken at it, as TRL "
                                      "takes them)", resume=Refused("the completions and the function being optimised"))
@@ -425,6 +430,8 @@ class TrainConfig:
             raise ConfigFileError(f"--rank/--alpha/--targets/--lora-dropout/--rank-pattern/--alpha-pattern: {e}") \
                 from None
         self._validate_objective()
+        if self.eval_generate and not (self.eval_data or self.eval_fraction):
+            raise ConfigFileError("--eval-generate needs held-out prompts: --eval-data or --eval-fraction")
         for name in ("fit", "device_model", "plan_json"):
             if getattr(self, name) and not self.plan:
                 raise ConfigFileError(f"--{flag_of(name)} goes with --plan")
@@ -493,6 +500,8 @@ class TrainConfig:
                                            "num_iterations", "mask_truncated_completions")},
                   "loss_type": ("grpo",), "scale_rewards": ("grpo",), "importance_sampling_level": ("grpo",),
                   "normalize_advantages": ("rloo",)}
+        if self.eval_generate:  # the length of the completions it writes, whatever the objective
+            owners.pop("max_completion_length")
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
         for name, objectives in owners.items():
             if getattr(self, name) != defaults[name] and self.objective not in objectives:
@@ -566,6 +575,7 @@ _UNIT_OPEN = (lambda v: 0 <= v < 1, "in [0, 1)")
 OPTION_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eval_fraction": _UNIT_OPEN,
     "eval_every": _COUNT,
+    "eval_generate": _COUNT,
     "data_workers": _COUNT,
     "num_processes": _POSITIVE_INT,
     "process_id": _COUNT,  # below --num-processes: checked where the processes join (finetune/mesh.py)

@@ -261,6 +261,7 @@ def test_an_option_without_a_resume_policy_cannot_be_defined():
      "--reference goes with --beta > 0 for --objective grpo (with --beta 0 no reference runs)"),
     (["--objective", "grpo", "--reward", "equals:a", "--batch-size", "3", "--num-generations", "3",
       "--grad-accum", "2"], "--batch-size 3 x --num-generations 3 must be a multiple of --grad-accum 2"),
+    (["--eval-generate", "4"], "--eval-generate needs held-out prompts: --eval-data or --eval-fraction"),
     (["--objective", "grpo", "--reward", "equals:a", "--temperature", "0"],
      "--temperature must be a finite number > 0, got 0.0"),
     (["--objective", "dpo", "--targets", "q_proj,gate"],

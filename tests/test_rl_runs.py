@@ -41,7 +41,7 @@ def cli(model, data, out, rewards_file, *extra: str, **changed) -> list[str]:
     """finetune-lora's arguments for the module's GRPO run (`rl_options`, with `changed` options) and `extra`."""
     return ["--model", str(model), "--data", str(data), "--out", str(out), "--mesh", "dp=1,fsdp=1,mp=1", "--steps",
             "4", "--lr", "1e-2", "--no-progress", "--checkpoint-every", "100", "--eval-fraction", "0.2",
-            *flags(rl_options(rewards_file) | changed), *extra]
+            "--eval-generate", "2", *flags(rl_options(rewards_file) | changed), *extra]
 
 
 def records(out: Path) -> list[dict]:
@@ -133,7 +133,8 @@ def test_a_grpo_run_logs_trls_metrics_its_completions_and_held_out_rewards(grpo_
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4, 4]
     base, *steps, last = got
     assert set(base) == set(last) == {"step", "eval_reward", "eval_rewards/starts_with_a_number/mean",
-                                      "eval_rewards/close/mean", "eval_completions/mean_length"}
+                                      "eval_rewards/close/mean", "eval_completions/mean_length", "eval_generations"}
+    assert [set(g) for g in last["eval_generations"]] == [{"prompt", "completion", "reward"}] * 2  # --eval-generate 2
     for record in steps:
         assert set(TRL_STEP_METRICS) <= set(record), sorted(set(TRL_STEP_METRICS) - set(record))
         assert 0 <= record["frac_reward_zero_std"] <= 1 and 1 <= record["completions/mean_length"] <= 6
@@ -264,3 +265,36 @@ def test_a_completion_that_ends_without_eos_was_cut():
 
     tokens = np.array([[5, 2, 0], [5, 6, 7], [2, 0, 0], [7, 8, 2]])
     np.testing.assert_array_equal(_stopped(tokens, np.array([2, 3, 1, 3]), (2,)), [True, False, True, True])
+
+
+@pytest.mark.slow
+def test_eval_generate_completes_held_out_prompts_as_greedy_generation_does(tmp_path, tiny_converted):
+    """An SFT run with --eval-generate 3: its evaluation writes the first three held-out prompts' completions by the
+    adapters it trained (the sampler reading them on a dp=2,fsdp=2 mesh), equal to `generate`'s greedy ones of the
+    model with the run's adapters on one device, beside each prompt's own reply (a chat's: its first)."""
+    from conftest import run_model
+    from jaxmodel import generate
+
+    rows = [{"prompt": f"add {a} + {b} =", "completion": f" {a + b}"} for a in range(5) for b in range(4)]
+    data = write_jsonl(tmp_path / "sft.jsonl", rows)
+    chat = {"messages": [{"role": "user", "content": "add 1 + 1"}, {"role": "assistant", "content": "2"},
+                         {"role": "user", "content": "and 2 + 2?"}, {"role": "assistant", "content": "4"}]}
+    held_out = write_jsonl(tmp_path / "held-out.jsonl", [chat, rows[0], {"text": "no prompt here"}, rows[1], rows[2]])
+    out = tmp_path / "run"
+    assert main(["--model", str(tiny_converted), "--data", str(data), "--eval-data", str(held_out), "--out", str(out),
+                 "--steps", "2", "--batch-size", "4", "--seq-len", "32", "--lr", "1e-2", "--dtype", "float32",
+                 "--mesh", "dp=2,fsdp=2,mp=1", "--eval-generate", "3", "--max-completion-length", "5",
+                 "--no-progress"]) == 0
+    written = records(out)[-1]["eval_generations"]
+    # a chat's first reply (its first trained span), the rows' completions; the text row has no prompt: left out
+    assert [g["reference"].strip() for g in written] == ["2", "0", "1"]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_converted)
+    model = run_model(out, tiny_converted)
+    for g, row in zip(written[1:], rows[:2]):
+        ids = np.array([[tokenizer.bos_token_id, *tokenizer.encode(row["prompt"], add_special_tokens=False)]])
+        tokens = generate(model, ids, 5)[0, ids.shape[1]:]
+        stop = next((i + 1 for i, t in enumerate(tokens) if t == tokenizer.eos_token_id), len(tokens))
+        assert g["completion"] == tokenizer.decode(tokens[:stop], skip_special_tokens=True)
+        assert g["prompt"] == tokenizer.decode(ids[0])

@@ -59,6 +59,24 @@ class PromptRows:
         return int(lengths.max()) if len(lengths) else 0
 
 
+def held_out_prompts(store: TokenizedData, examples: np.ndarray, n: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt tokens, reference completion tokens) of the first `n` held-out rows of a store of SFT rows or
+    preference pairs (`examples`: their rows) that have a prompt: the tokens before the first trained one, and the
+    trained span that follows (a pair's chosen reply). Rows trained from their first token (text) have none."""
+    out = []
+    for row in examples:
+        example = store.example(int(row) * store.examples_per_row)  # a pair's chosen reply is its first example
+        trained = np.flatnonzero(example.trained)
+        if not len(trained) or trained[0] == 0:
+            continue
+        start = int(trained[0])
+        end = start + int(np.argmin(np.append(example.trained[start:], False)))  # the first span's end
+        out.append((example.ids[:start].tolist(), example.ids[start:end].tolist()))
+        if len(out) == n:
+            break
+    return out
+
+
 def _present(prompt: Any) -> Any:
     """A messages prompt without the None fields a table gives its messages."""
     if isinstance(prompt, list):

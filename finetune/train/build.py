@@ -13,10 +13,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from finetune.config import TrainConfig
+from finetune.config import ConfigFileError, TrainConfig
 from finetune.data.packing import PackedRows
 from finetune.data.pairs import PairRows
-from finetune.data.prompts import PromptRows
+from finetune.data.prompts import PromptRows, held_out_prompts
 from finetune.data.prepare import pack_data, tokenize_data
 from finetune.step.attention_choice import choose_attention
 from finetune.step.checks import check_batch_split, check_experts_split, check_policy_mesh, check_rank, check_seq_len
@@ -54,6 +54,7 @@ class Run:
     data_record: dict[str, dict]  # RunData.record: the tokens the run trains and evaluates on
     frozen: Any = None  # what the steps take beside the state: `base`, or (base, reference adapter or None)
     reference: Any = None  # the frozen initial adapter a reference runs with (None: the base itself, or none)
+    eval_prompts: list | None = None  # --eval-generate's held-out (prompt, reply) tokens: prompts.held_out_prompts
     policy_logps: Callable | None = None  # grpo/rloo: the jitted pass of `train_step.jit_policy_logps`
 
 
@@ -105,6 +106,15 @@ def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dic
     if check_data is not None:
         check_data(data_record)
     train_rows, eval_rows = pack_data(config, run_data, main, ways=batch_ways(mesh, rules))
+    eval_prompts = None
+    if config.eval_generate and not config.policy:  # an online RL run samples its held-out prompts anyway
+        eval_prompts = held_out_prompts(run_data.held_out.cached.data, run_data.eval_examples, config.eval_generate)
+        if not eval_prompts:
+            raise ConfigFileError(f"--eval-generate: no held-out row of {run_data.eval_name} has a prompt (rows "
+                                  "trained from their first token, as text rows are, have none)")
+        if mesh.shape.get("cp", 1) > 1:
+            raise ConfigFileError(f"--eval-generate runs on meshes without cp (the sampler holds whole sequences); "
+                                  f"got --mesh {config.mesh}")
 
     config = with_adapter_shape(config)
     config.check_router_objective()  # an --init-adapter's targets
@@ -149,4 +159,4 @@ def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dic
     return Run(config=config, mesh=mesh, llama=llama, model=model, graphdef=graphdef, base=base, state=state,
                train_step=train_step, eval_step=eval_step, batch_sharding=batch_sharding(mesh, rules),
                train_rows=train_rows, eval_rows=eval_rows, tokenizer=tokenizer, data_record=data_record,
-               frozen=frozen, reference=reference, policy_logps=logps)
+               frozen=frozen, reference=reference, policy_logps=logps, eval_prompts=eval_prompts)

@@ -27,6 +27,7 @@ from finetune.run.errors import RunDirError
 from finetune.run.files import CHECKPOINTS, METRICS, TENSORBOARD
 from finetune.rollout.rewards import Reward, RewardError, load_reward
 from finetune.train.build import Run, setup, with_adapter_shape
+from finetune.train.generations import eval_generations
 from finetune.train.rollouts import Generation, Rollouts
 from finetune.step.train_step import DTYPES, TrainState
 from jaxmodel.errors import UserError
@@ -193,7 +194,12 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool, rewards: list[Re
             _write_metrics(metrics, out, step, record)
 
     def evaluation(state: TrainState) -> dict:
-        return rollouts.evaluate(state) if rollouts is not None else evaluate(run, state, config)
+        if rollouts is not None:
+            return rollouts.evaluate(state)
+        record = evaluate(run, state, config)
+        if config.eval_generate:
+            record["eval_generations"] = eval_generations(run, state)
+        return record
 
     def save(state: TrainState, step: int) -> None:
         meta = {"data_position": position + step - start_step, "step": step}

@@ -55,12 +55,7 @@ class Rollouts:
         self.objective = PolicyObjective.of(config)
         self.weights = np.asarray(config.reward_weight_values(), np.float32)
         self.generations = config.value("num_generations")
-        tokenizer, model = run.tokenizer, run.llama
-        eos = tuple(dict.fromkeys([*model.eos_token_ids] + ([tokenizer.eos_token_id]
-                                                             if tokenizer.eos_token_id is not None else [])))
-        pad = next(p for p in (tokenizer.pad_token_id, model.pad_token_id, *eos, 0) if p is not None)
-        self.sampling = Sampling(config.max_completion_length, config.temperature, config.top_p, config.top_k,
-                                 config.min_p, eos=eos, pad=int(pad))
+        self.sampling = run_sampling(run, config)
         self.key = jax.random.fold_in(jax.random.key(config.seed), SAMPLER_STREAM)
         self.current: Generation | None = None
 
@@ -115,37 +110,27 @@ class Rollouts:
         batch["advantage"] = self._global({"advantage": layout["advantage"]})["advantage"]
         batch.update({name: scores[name] for name in self.objective.logps_in_batch})
         metrics = self._metrics(per_function, spread_zero, lengths, stopped, layout)
+        weighted = _weighted(per_function, self.weights)
         metrics.update({"time/sample_s": sampled - began, "time/logps_s": scored - sampled,
                         "time/rewards_s": rewarded - scored,
                         "_positions": int(np.prod(layout["input_ids"].shape)),
-                        "completions": [{"prompt": t[0], "completion": t[1], "reward": float(r)}
-                                        for t, r in zip(texts, _weighted(per_function, self.weights))]})
+                        "completions": [{"prompt": p, "completion": c, "reward": float(weighted[i])}
+                                        for p, c, i in texts]})
         return Generation(k, batch, metrics)
 
     def _sample(self, state, prompts, rows: np.ndarray, key) -> tuple[np.ndarray, ...]:
         """(prompt ids, prompt mask, tokens, lengths) of one completion a row of `rows` (dataset rows of `prompts`),
         on every process."""
-        token_ids = prompts.token_ids(rows)
-        ids, mask = left_padded(token_ids, prompt_bucket(max(map(len, token_ids))), self.sampling.pad)
-        arrays = self._global({"ids": ids, "mask": mask})
-        tokens, _, lengths = sample_arrays(self.run.graphdef, (state.lora, self.run.base), arrays["ids"],
-                                           arrays["mask"], key, self.sampling)
-        return ids, mask, _gathered(tokens), _gathered(lengths)
+        return sample_rows(self.run, state, prompts.token_ids(rows), self.sampling, key)
 
     def _global(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Host arrays `[n, ...]` (every process holds all of them) as global arrays over the batch's sharding,
-        each process placing its own devices' rows."""
-        sharding = self.run.batch_sharding
-        out = {}
-        for name, value in arrays.items():
-            lo, hi = local_row_range(sharding, value.shape[0], value.shape[1])
-            out[name] = jax.make_array_from_process_local_data(sharding, value[lo:hi], value.shape)
-        return out
+        return global_rows(self.run, arrays)
 
-    def _rewards(self, prompts, rows: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, trainer_state
-                 ) -> tuple[np.ndarray, list[tuple[Any, str]]]:
-        """(each reward function's rewards `[n, functions]` of every completion, the first completions' (prompt,
-        text)): this process scores the rows its devices hold, then every process gathers every row's."""
+    def _rewards(self, prompts, rows: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, trainer_state,
+                 shown: int = LOGGED_COMPLETIONS) -> tuple[np.ndarray, list[tuple[Any, str, int]]]:
+        """(each reward function's rewards `[n, functions]` of every completion, the first `shown` completions'
+        (prompt, text, row) of this process's rows): this process scores the rows its devices hold, then every
+        process gathers every row's."""
         n = len(rows)
         lo, hi = local_row_range(self.run.batch_sharding, n, tokens.shape[1])
         mine = rows[lo:hi]
@@ -160,7 +145,7 @@ class Rollouts:
         where = [prompts.where(r) for r in mine]
         local = score(self.rewards, prompt_values, completions, completion_ids, columns, trainer_state, where)
         every = _gathered_rows(local, lo, hi, n)
-        return every, list(zip(prompt_values, texts))[:LOGGED_COMPLETIONS]
+        return every, list(zip(prompt_values, texts, range(lo, hi)))[:max(shown, 0)]
 
     def _metrics(self, per_function: np.ndarray, spread_zero: np.ndarray | None, lengths: np.ndarray,
                  stopped: np.ndarray, layout: dict[str, np.ndarray]) -> dict[str, float]:
@@ -197,14 +182,19 @@ class Rollouts:
         chunk = config.rows_per_step
         sums, counts, lengths = np.zeros(len(self.rewards)), np.zeros(len(self.rewards)), []
         weighted_sum = weighted_count = 0.0
+        written = []  # --eval-generate's: the first prompts' completions and rewards
         key = jax.random.fold_in(self.key, EVAL_STREAM)
         trainer_state = TrainerState(global_step=int(jax.device_get(state.step)), max_steps=config.steps, epoch=0.0)
         for start in range(0, len(rows_all), chunk):
             real = rows_all[start:start + chunk]
             rows = np.concatenate([real, np.repeat(real[-1:], chunk - len(real))])  # whole batches: padding repeats
             ids, mask, tokens, row_lengths = self._sample(state, prompts, rows, jax.random.fold_in(key, start))
-            per_function, _ = self._rewards(prompts, rows, tokens, row_lengths, trainer_state)
+            per_function, texts = self._rewards(prompts, rows, tokens, row_lengths, trainer_state,
+                                                shown=config.eval_generate - len(written))
             per_function = per_function[:len(real)]
+            weighted = _weighted(per_function, self.weights)
+            written += [{"prompt": p, "completion": c, "reward": float(weighted[i])} for p, c, i in texts
+                        if i < len(real)]
             scored = ~np.isnan(per_function)
             sums += np.nansum(per_function, axis=0)
             counts += scored.sum(axis=0)
@@ -216,7 +206,44 @@ class Rollouts:
         for i, reward in enumerate(self.rewards):
             out[f"eval_rewards/{reward.short_name}/mean"] = float(sums[i] / max(counts[i], 1))
         out["eval_completions/mean_length"] = float(np.mean(lengths)) if lengths else 0.0
+        if config.eval_generate:
+            out["eval_generations"] = written
         return out
+
+
+def run_sampling(run, config: TrainConfig, temperature: float | None = None) -> Sampling:
+    """How a run draws completions: at most --max-completion-length tokens, stopping at the model's and the
+    tokenizer's EOS, with the run's sampling options (or at `temperature`, 0: greedy)."""
+    tokenizer, model = run.tokenizer, run.llama
+    eos = tuple(dict.fromkeys([*model.eos_token_ids] + ([tokenizer.eos_token_id]
+                                                         if tokenizer.eos_token_id is not None else [])))
+    pad = next(p for p in (tokenizer.pad_token_id, model.pad_token_id, *eos, 0) if p is not None)
+    if temperature == 0:
+        return Sampling(config.max_completion_length, 0.0, eos=eos, pad=int(pad))
+    return Sampling(config.max_completion_length, config.temperature, config.top_p, config.top_k, config.min_p,
+                    eos=eos, pad=int(pad))
+
+
+def sample_rows(run, state, token_ids: list[list[int]], sampling: Sampling, key) -> tuple[np.ndarray, ...]:
+    """(prompt ids, prompt mask, tokens, lengths) of one completion of each prompt of `token_ids` (every process
+    gives all of them; their number a multiple of the batch's ways), drawn on the run's mesh from the policy in
+    `state`, whole on every process."""
+    ids, mask = left_padded(token_ids, prompt_bucket(max(map(len, token_ids))), sampling.pad)
+    arrays = global_rows(run, {"ids": ids, "mask": mask})
+    tokens, _, lengths = sample_arrays(run.graphdef, (state.lora, run.base), arrays["ids"], arrays["mask"], key,
+                                       sampling)
+    return ids, mask, _gathered(tokens), _gathered(lengths)
+
+
+def global_rows(run, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """Host arrays `[n, ...]` (every process holds all of them) as global arrays over the run's batch sharding,
+    each process placing its own devices' rows."""
+    sharding = run.batch_sharding
+    out = {}
+    for name, value in arrays.items():
+        lo, hi = local_row_range(sharding, value.shape[0], value.shape[1])
+        out[name] = jax.make_array_from_process_local_data(sharding, value[lo:hi], value.shape)
+    return out
 
 
 def _stopped(tokens: np.ndarray, lengths: np.ndarray, eos: tuple[int, ...]) -> np.ndarray:
