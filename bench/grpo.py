@@ -87,7 +87,8 @@ def main() -> None:
           f"({'meets' if final >= 2 * base and final >= base + 0.15 else 'misses'} the goal: 2x and +0.15)")
     print(f"training reward, first 5 steps -> last 5: {statistics.mean(r['reward'] for r in steps[:5]):.3f} -> "
           f"{statistics.mean(r['reward'] for r in steps[-5:]):.3f}")
-    later = [r for r in steps[1:] if r["step"] % args.eval_every]  # compiled, and no evaluation in the step's time
+    # compiled, no evaluation in the step's time, and a step that sampled (with --num-iterations 1: every one)
+    later = [r for r in steps[1:] if r["step"] % args.eval_every and "time/sample_s" in r]
     parts = {"sampling": [r["time/sample_s"] for r in later], "log-prob pass": [r["time/logps_s"] for r in later],
              "rewards": [r["time/rewards_s"] for r in later]}
     parts["training step (the rest)"] = [r["time/step_s"] - sum(r[k] for k in ("time/sample_s", "time/logps_s",

@@ -178,7 +178,9 @@ class TrainConfig:
                         resume=Allowed("the schedule's length: a run can be extended or shortened"))
     batch_size: int = option(8, "global batch size in sequences per optimizer step (across all devices)",
                              resume=Refused("the rows per step the stored data position counts in"))
-    grad_accum: int = option(1, "micro-batches per step; each micro-batch holds batch_size / grad_accum rows",
+    grad_accum: int = option(1, "micro-batches per step; each micro-batch holds batch_size / grad_accum rows (grpo/"
+                                "rloo: batch_size x num_generations / grad_accum completions; their sampler draws all "
+                                "of them at once)",
                              resume=Refused("the micro-batches each step's dropout keys are split over"))
     seq_len: int = option(512, "tokens per sequence; a longer example is cut to it, with one warning counting "
                                "the examples cut and those left with no training target",
@@ -278,7 +280,8 @@ class TrainConfig:
                                     "when sampled come from one forward pass, as TRL's)",
                                  resume=Refused("which steps sample new completions"))
     mask_truncated_completions: bool = option(False, "grpo/rloo: completions cut at max_completion_length train "
-                                                     "nothing (they still count in the loss's averages)",
+                                                     "nothing (grpo's and dr_grpo's averages over completions still "
+                                                     "count them, as TRL's do)",
                                               resume=Refused("the function being optimised"))
     normalize_advantages: bool = option(False, "rloo only: standardise the advantages over the batch",
                                         resume=Refused("the function being optimised"))

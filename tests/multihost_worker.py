@@ -35,17 +35,34 @@ CASES = {
     "deepseek": ("packed.jsonl", "dp=1,fsdp=4,cp=1,mp=2", "sft"),
     # test_rl_runs.py: a GRPO run's first step from its own completions (tests/rl_cases.py), OUT/rewards.py scoring them
     "grpo": ("prompts.jsonl", "dp=2,fsdp=2,cp=1,mp=2", "grpo"),
+    # test_rl_runs.py: a reward that raises on process 1's completions alone stops both processes, each in one line
+    "grpo-reward-fails": ("prompts.jsonl", "dp=2,fsdp=2,cp=1,mp=2", "grpo-reward-fails"),
 }
 
 
 def case(model, out, port, process_id, name):
     data, mesh, objective = CASES[name]
-    if objective == "grpo":
+    if objective.startswith("grpo"):
         from rl_cases import first_rollout_step, rl_options
 
+        rewards = os.path.join(out, "rewards.py")
+        options = rl_options(rewards)
+        if objective == "grpo-reward-fails":
+            options |= {"reward": (f"{rewards}:fails_on_process_1",), "reward_weights": None}
         config = TrainConfig(model=model, data=os.path.join(out, data), out=os.path.join(out, name), mesh=mesh,
                              progress=False, coordinator=f"127.0.0.1:{port}", num_processes=2,
-                             process_id=int(process_id), **rl_options(os.path.join(out, "rewards.py"))).validate()
+                             process_id=int(process_id), **options).validate()
+        if objective == "grpo-reward-fails":
+            from finetune.rollout.rewards import RewardError
+
+            try:
+                first_rollout_step(config)
+                message = "no error"
+            except RewardError as e:
+                message = str(e)
+            with open(os.path.join(out, f"{name}-{jax.process_index()}.txt"), "w") as f:
+                f.write(message)
+            return
         result = first_rollout_step(config)
         if jax.process_index() == 0:
             np.savez(os.path.join(out, f"{name}.npz"), **result)

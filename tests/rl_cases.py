@@ -22,6 +22,13 @@ REWARDS = textwrap.dedent('''
 
     def short(completions, **kwargs):
         return [1.0]
+
+    def fails_on_process_1(completions, **kwargs):
+        import jax
+
+        if jax.process_index() == 1:
+            raise ValueError("not on this process")
+        return [0.0] * len(completions)
 ''')
 
 

@@ -139,3 +139,14 @@ def test_the_reward_file_of_the_docs_runs_under_trl_as_here(tiny_checkpoint, tmp
     theirs = trainer._calculate_rewards(inputs, prompts, completions, completion_ids).numpy()
     np.testing.assert_array_equal(ours, theirs)
     assert np.isnan(ours[2, 1]) and ours[:, 0].tolist() == [1.0, 0.0, 1.0, 1.0] and ours[0, 1] == 1.0
+
+
+def test_a_column_named_as_a_trl_argument_is_shadowed_by_it(rewards_file):
+    """A dataset column `trainer_state` (or `completions`...) does not collide with TRL's own arguments: the
+    function gets TRL's, as in TRL; every other column still arrives."""
+    logged = []
+    got = score([load_reward(f"{rewards_file}:seen")], prompts=["p"], completions=["c"], completion_ids=[[1, 2]],
+                columns={"solution": ["x"], "trainer_state": ["a column"], "log_metric": ["another"],
+                         "completions": ["a third"]}, state=STATE, rows=["p.jsonl:1"],
+                log_metric=lambda name, value: logged.append(name))
+    assert got[0, 0] == 2 + STATE.global_step and logged == ["calls"]

@@ -4,6 +4,7 @@ at step 0 and sampled completions in metrics.jsonl and TensorBoard; a resume bet
 completions that ends where the uninterrupted run does, bit for bit; PEFT export; one-line errors for bad input."""
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -120,6 +121,18 @@ def test_two_processes_take_the_first_step_one_device_takes(tmp_path, tiny_conve
     assert_same_first_step(dict(np.load(two_process_grads / "grpo.npz")), expected)
 
 
+@pytest.mark.e2e
+def test_a_reward_failing_on_one_process_stops_both(two_process_grads):
+    """The multi-process worker's "grpo-reward-fails" case: the reward raises on process 1's completions alone;
+    process 1 names the function and its first failing row, process 0 says another process's reward failed, and
+    neither waits for the other's rewards."""
+    mine, other = ((two_process_grads / f"grpo-reward-fails-{i}.txt").read_text() for i in (1, 0))
+    # (the files were written where the fixture was built, a directory renamed since)
+    assert re.fullmatch(r"reward \S+/rewards\.py:fails_on_process_1: ValueError: not on this process "
+                        r"\(\S+/prompts\.jsonl:\d+\)", mine), mine
+    assert other == "a reward function failed on process 1 (see its error)"
+
+
 TRL_STEP_METRICS = ("loss", "grad_norm", "lr", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean",
                     "clip_ratio/region_mean", "reward", "reward_std", "rewards/starts_with_a_number/mean",
                     "rewards/starts_with_a_number/std", "rewards/close/mean", "rewards/close/std",
@@ -141,6 +154,7 @@ def test_a_grpo_run_logs_trls_metrics_its_completions_and_held_out_rewards(grpo_
         assert len(record["completions"]) == 4 and set(record["completions"][0]) == {"prompt", "completion", "reward"}
     # two iterations a batch of completions: steps 1 and 2 train on the same completions, 3 and 4 on new ones
     assert steps[0]["completions"] == steps[1]["completions"] != steps[2]["completions"] == steps[3]["completions"]
+    assert ["time/sample_s" in r for r in steps] == [True, False, True, False]  # the seconds where they were spent
     assert steps[0]["kl"] == 0.0 < steps[1]["kl"]  # the adapter starts as the reference (B = 0)
     events = b"".join(p.read_bytes() for p in (grpo_run / "tensorboard").iterdir())
     assert b"completions" in events and b"rewards/close/mean" in events

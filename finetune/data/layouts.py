@@ -70,8 +70,10 @@ PREFERENCE_LAYOUTS = {
     "preference-sharegpt": "conversations, chosen, rejected (one message each), system (optional)",
     "preference-alpaca": "instruction, input (optional), chosen, rejected, system (optional)",
 }
-# The layout of the online RL objectives' prompts.
+# The layout of the online RL objectives' prompts, and the columns of it the rewards are not given (TRL's: the reward
+# functions' own arguments `completions` and `completion_ids` are the sampled ones).
 PROMPT_LAYOUT = "prompt-only"
+NOT_PASSED_TO_REWARDS = ("completion", "completion_ids")
 AUTO = "auto"
 # Every --data-format name.
 DATA_FORMATS = (AUTO, *LAYOUTS, *PREFERENCE_LAYOUTS, PROMPT_LAYOUT)
@@ -126,13 +128,21 @@ class Detection:
 
         read = {key for name in self.layouts for key in _READS[name]}
         unread = [column for column in self.columns if column not in read]
-        fate = "passed to the rewards" if self.layout == PROMPT_LAYOUT else "not used"
-        unused = f"; column{'s' * (len(unread) > 1)} {', '.join(unread)} {fate}" if unread else ""
+        if self.layout == PROMPT_LAYOUT:  # the rewards get the other columns but those TRL keeps from them
+            passed = [c for c in unread if c not in NOT_PASSED_TO_REWARDS]
+            dropped = [c for c in unread if c in NOT_PASSED_TO_REWARDS]
+            return f"{n_rows:,} prompts, layout {self.layout} (prompt){_columns(passed, 'passed to the rewards')}" \
+                   f"{_columns(dropped, 'not used')}"
+        unused = _columns(unread, "not used")
         if self.layout != AUTO:
-            unit = "pairs" if is_preference(self.layout) else "prompts" if self.layout == PROMPT_LAYOUT else "rows"
+            unit = "pairs" if is_preference(self.layout) else "rows"
             return f"{n_rows:,} {unit}, layout {self.layout} ({reads(self.layout)}){unused}"
         named = [f"{name} ({reads(name)})" for name in self.layouts]
         return f"{n_rows:,} rows, layouts {', '.join(named[:-1])} and {named[-1]}, decided per row{unused}"
+
+
+def _columns(names: list[str], fate: str) -> str:
+    return f"; column{'s' * (len(names) > 1)} {', '.join(names)} {fate}" if names else ""
 
 
 def detect(columns: Iterable[str], source: str, data_format: str = AUTO,

@@ -143,8 +143,8 @@ def settings(config: TrainConfig, mesh: dict[str, int]):
     spec = ",".join(f"{axis}={mesh[axis]}" for axis in MESH_AXES)
     for remat in ("dots", "full"):  # never offload: see the module docstring
         yield dataclasses.replace(config, mesh=spec, remat=remat, grad_accum=1)
-    for accum in _powers_of_two(config.batch_size)[1:]:
-        if config.batch_size % accum == 0:
+    for accum in _powers_of_two(config.rows_per_step)[1:]:
+        if config.rows_per_step % accum == 0:
             yield dataclasses.replace(config, mesh=spec, remat="full", grad_accum=accum)
 
 
@@ -227,7 +227,7 @@ def offload_note(config: TrainConfig, llama: ModelConfig, mesh: dict[str, int], 
     """The report's line on `--remat offload`: why it was not tried, and the pinned host memory per device its
     saved layer inputs would take on the given mesh without accumulation (every layer's input, in the compute
     dtype, for the tokens of one device)."""
-    tokens = config.batch_size * config.seq_len // (mesh["dp"] * mesh["fsdp"] * mesh["cp"])
+    tokens = config.step_rows * config.seq_len // (mesh["dp"] * mesh["fsdp"] * mesh["cp"])
     dtype_bytes = jnp.dtype(DTYPES[config.dtype]).itemsize
     host = llama.num_hidden_layers * tokens * llama.hidden_size * dtype_bytes
     return (f"--remat offload not tried: never measured on {backend}, and it keeps each layer's input in pinned host "

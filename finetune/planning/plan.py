@@ -187,15 +187,15 @@ def plan_device_model(config: TrainConfig) -> DeviceModel:
     return default_device_model(jax.devices()[0].device_kind, jax.default_backend())
 
 
-def expert_block_shares(config: TrainConfig, llama: ModelConfig, mesh, positions: int | None = None
-                        ) -> dict[str, float]:
+def expert_block_shares(config: TrainConfig, llama: ModelConfig, mesh, positions: int | None = None,
+                        rows: int | None = None) -> dict[str, float]:
     """For `step_cost`: the share of the experts' grouped-matmul blocks that run when the routing is balanced
     (`jaxmodel.moe.balanced_block_share`), the work a grouped GEMM does, where the compiled loop's length is the
-    worst routing's; {} for a model without experts. `positions`: of each row a pass computes (a decode step's 1;
-    default --seq-len)."""
+    worst routing's; {} for a model without experts. A pass of `rows` rows (default: a training micro-batch's) of
+    `positions` positions each (default --seq-len; a sampler's decode step: 1)."""
     if not llama.num_experts:
         return {}
-    rows = config.step_rows // config.grad_accum
+    rows = rows or config.step_rows // config.grad_accum
     tokens = rows // batch_ways(mesh, DEFAULT_RULES) * (positions or config.seq_len) // mesh.shape["cp"]
     mp = mesh.shape["mp"]
     tokens = tokens // mp if tokens % mp == 0 else tokens  # mp's devices share a device's tokens
@@ -279,7 +279,9 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
         rollout_trees = (_trees(config, llama, mesh, jnp.float32, jnp.float32, quantization) if cpu_16bit
                          else _trees(config, llama, mesh, dtype, stored, quantization))
         rollout = plan_rollout(config, llama, mesh, rollout_trees, device if cost is not None else None,
-                               itemsize / 4 if cpu_16bit else 1.0, expert_block_shares(config, llama, mesh, 1))
+                               itemsize / 4 if cpu_16bit else 1.0,
+                               expert_block_shares(config, llama, mesh, positions=1, rows=config.rows_per_step),
+                               shares)
         temps = [("training step", temp)] + [(phase.name.split(" (")[0], phase.temp) for phase in rollout]
         lines.append("temporaries a device by phase (the largest counts below): " +
                      ", ".join(f"{name} {value / GB:.2f} GB" for name, value in temps))

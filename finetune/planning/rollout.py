@@ -67,10 +67,11 @@ def prompt_tokens(config: TrainConfig) -> int:
 
 
 def plan_rollout(config: TrainConfig, llama: ModelConfig, mesh, trees, device: DeviceModel | None, scale: float,
-                 shares: dict[str, float]) -> list[Phase]:
+                 sampler_shares: dict[str, float], pass_shares: dict[str, float]) -> list[Phase]:
     """The sampler and the log-prob pass of `config`'s run on `mesh`; `trees` = (graphdef, lora, base) abstract on
     it, in the dtype the plan compiles; `scale`: what multiplies a float32 compile's bytes (1 otherwise); no
-    prediction without a `device`."""
+    prediction without a `device`; the shares of a mixture of experts' blocks of each (`plan.expert_block_shares`:
+    the sampler's decode steps, one position of every row; a pass, a training micro-batch's rows)."""
     graphdef, lora, base = trees
     rows, completion = config.rows_per_step, config.max_completion_length
     prompt = prompt_tokens(config)
@@ -87,7 +88,7 @@ def plan_rollout(config: TrainConfig, llama: ModelConfig, mesh, trees, device: D
     flops = rows * (prompt * forward_flops_per_token(llama, prompt)
                     + completion * forward_flops_per_token(llama, prompt + completion // 2))
     phases = [_phase(f"sampler (prefill and {completion - 1} decode steps)", sampler, mesh, device, config, scale,
-                     shares, 1 / iterations, rows * completion, flops, unknown_trips=completion - 1)]
+                     sampler_shares, 1 / iterations, rows * completion, flops, unknown_trips=completion - 1)]
     names = PolicyObjective.of(config).scored_logps
     if names:
         batch = {k: jax.ShapeDtypeStruct((rows, config.seq_len), jnp.float32 if k in FLOAT_BATCH_KEYS else jnp.int32,
@@ -100,7 +101,7 @@ def plan_rollout(config: TrainConfig, llama: ModelConfig, mesh, trees, device: D
         flops = rows * config.seq_len * forward_flops_per_token(llama, config.seq_len) * len(names)
         label = " and ".join(n.removesuffix("_logps") for n in names)
         phases.append(_phase(f"log-prob passes ({label}: {len(names)} forward)", passes, mesh, device, config, scale,
-                             shares, 1 / iterations, rows * config.seq_len, flops))
+                             pass_shares, 1 / iterations, rows * config.seq_len, flops))
     return phases
 
 

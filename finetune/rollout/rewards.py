@@ -93,8 +93,9 @@ def score(rewards: Sequence[Reward], prompts: list, completions: list, completio
     them."""
     out = np.zeros((len(completions), len(rewards)), np.float32)
     for i, reward in enumerate(rewards):
-        kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
-                      trainer_state=state, log_extra=log_extra, log_metric=log_metric)
+        # a column named as one of TRL's own arguments is shadowed by it, as in TRL
+        kwargs = {**columns, "prompts": prompts, "completions": completions, "completion_ids": completion_ids,
+                  "trainer_state": state, "log_extra": log_extra, "log_metric": log_metric}
         try:
             values = reward.function(**kwargs)
             out[:, i] = _as_rewards(values, len(completions))

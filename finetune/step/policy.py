@@ -49,7 +49,7 @@ class PolicyObjective:
 
     # whether the old log-probabilities are the sampling policy's from a forward pass at sampling time (else the
     # step's own, detached: a ratio of 1), as TRL keeps them for num_iterations > 1 and for RLOO's KL
-    old_logps: bool = False
+    old_from_forward: bool = False
 
     @classmethod
     def of(cls, config: TrainConfig) -> "PolicyObjective":
@@ -58,13 +58,13 @@ class PolicyObjective:
         beta = config.value("beta")
         return cls("rloo" if rloo else config.loss_type, config.epsilon, config.epsilon_high, beta,
                    "token" if rloo else config.importance_sampling_level, config.max_completion_length,
-                   config.temperature, old_logps=config.num_iterations > 1 or (rloo and beta > 0))
+                   config.temperature, old_from_forward=config.num_iterations > 1 or (rloo and beta > 0))
 
     @property
     def scored_logps(self) -> tuple[str, ...]:
         """The log-probabilities a run computes for each batch of completions when it samples them: the old ones
-        (`old_logps`) and, with `beta` > 0, the reference's."""
-        return (("old_logps",) if self.old_logps else ()) + (("ref_logps",) if self.beta else ())
+        (`old_from_forward`) and, with `beta` > 0, the reference's."""
+        return (("old_logps",) if self.old_from_forward else ()) + (("ref_logps",) if self.beta else ())
 
     @property
     def logps_in_batch(self) -> tuple[str, ...]:
@@ -93,18 +93,15 @@ def group_advantages(rewards_per_function: np.ndarray, weights: np.ndarray, num_
     not divided ("none"). In float32, as TRL computes it."""
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
-    per_function = np.asarray(rewards_per_function, np.float32)
-    unscorable = np.isnan(per_function).all(axis=1)
-    rewards = np.nansum(per_function * np.asarray(weights, np.float32)[None, :], axis=1, dtype=np.float32)
-    rewards[unscorable] = np.nan
+    rewards = weighted_rewards(rewards_per_function, weights)
     grouped = rewards.reshape(-1, num_generations)
     with warnings.catch_warnings():  # a group no function scores has a NaN mean and spread
         warnings.simplefilter("ignore", RuntimeWarning)
         mean = np.repeat(np.nanmean(grouped, axis=1), num_generations).astype(np.float32)
         if scale_rewards == "batch":
-            std = np.full_like(rewards, _nanstd(rewards) if rewards.size > 1 else 0.0)
+            std = np.full_like(rewards, nanstd(rewards) if rewards.size > 1 else 0.0)
         elif num_generations > 1:
-            std = np.repeat(_nanstd(grouped, axis=1), num_generations).astype(np.float32)
+            std = np.repeat(nanstd(grouped, axis=1), num_generations).astype(np.float32)
         else:
             std = np.zeros_like(rewards)
     advantages = rewards - mean
@@ -120,10 +117,7 @@ def leave_one_out_advantages(rewards_per_function: np.ndarray, weights: np.ndarr
     `clip_range`; minus `beta` times its `kl`, the sum over its tokens of old minus reference log-probabilities)
     minus the mean of its group's other scorable completions' rewards; with `normalize`, then standardised over the
     batch; 0 for a completion no function scores or the only scorable one of its group."""
-    per_function = np.asarray(rewards_per_function, np.float32)
-    unscorable = np.isnan(per_function).all(axis=1)
-    rewards = np.nansum(per_function * np.asarray(weights, np.float32)[None, :], axis=1, dtype=np.float32)
-    rewards[unscorable] = np.nan
+    rewards = weighted_rewards(rewards_per_function, weights)
     if clip_range is not None:
         rewards = np.clip(rewards, *clip_range)
     if beta:
@@ -138,11 +132,20 @@ def leave_one_out_advantages(rewards_per_function: np.ndarray, weights: np.ndarr
         else:
             advantages = np.zeros_like(rewards)
         if normalize:
-            advantages = (advantages - np.nanmean(advantages)) / (_nanstd(advantages) + np.float32(1e-4))
+            advantages = (advantages - np.nanmean(advantages)) / (nanstd(advantages) + np.float32(1e-4))
     return np.nan_to_num(advantages, nan=0.0).astype(np.float32)
 
 
-def _nanstd(x: np.ndarray, axis=None) -> np.ndarray:
+def weighted_rewards(rewards_per_function: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """float32 `[n]`: each completion's rewards `[n, functions]` weighted and summed, the functions that do not apply
+    to it (NaN) left out; NaN where none applies (TRL's "unscorable")."""
+    per_function = np.asarray(rewards_per_function, np.float32)
+    rewards = np.nansum(per_function * np.asarray(weights, np.float32)[None, :], axis=1, dtype=np.float32)
+    rewards[np.isnan(per_function).all(axis=1)] = np.nan
+    return rewards
+
+
+def nanstd(x: np.ndarray, axis=None) -> np.ndarray:
     """TRL's `nanstd`: over the non-NaN values, with Bessel's correction (NaN for fewer than two)."""
     variance = np.nanmean((x - np.nanmean(x, axis=axis, keepdims=True)) ** 2, axis=axis)
     count = np.sum(~np.isnan(x), axis=axis)

@@ -187,19 +187,31 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool, rewards: list[Re
     reader = _StepReader(config, checkpoints, bar, flops, peak, start_step, rows_per_step)
 
     def log(step: int, record: dict) -> None:  # called once the step is read, so the memory read waits on nothing
-        if step % config.log_every == 0 or step == config.steps or step == 0:
+        if step % config.log_every == 0 or step == config.steps:
             peak_memory = peak_memory_gb(memory_devices)
             if peak_memory is not None:
                 record = {**record, "peak_memory_gb": peak_memory}
             _write_metrics(metrics, out, step, record)
 
-    def evaluation(state: TrainState) -> dict:
-        if rollouts is not None:
-            return rollouts.evaluate(state)
+    def evaluation(state: TrainState, step: int) -> dict:
+        try:
+            if rollouts is not None:
+                return rollouts.evaluate(state)
+        except RewardError as e:  # the user's function: what it did, and what the run kept
+            raise TrainingError(f"{e}; stopped at the evaluation of step {step}; {kept()}") from None
         record = evaluate(run, state, config)
         if config.eval_generate:
             record["eval_generations"] = eval_generations(run, state)
         return record
+
+    def kept() -> str:
+        """What a run that stops now leaves: its newest complete checkpoint (the save in flight waited for)."""
+        try:
+            checkpoints.check(wait=True)
+        except CheckpointSaveError:
+            pass  # raised, and reported, where the run goes on from
+        newest = checkpoints.latest_step()
+        return f"newest checkpoint kept: {'step ' + str(newest) if newest is not None else 'none'}"
 
     def save(state: TrainState, step: int) -> None:
         meta = {"data_position": position + step - start_step, "step": step}
@@ -222,11 +234,15 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool, rewards: list[Re
     try:
         with jax.set_mesh(mesh), batches:
             if rollouts is not None and run.eval_rows is not None and not config.resume:
-                log(0, rollouts.evaluate(state))  # the base's held-out rewards, which training is measured against
+                log(0, evaluation(state, 0))  # the base's held-out rewards, which training is measured against
                 reader.restart_clock()
             while started_step < last_step and not stop.requested:
                 try:
                     if rollouts is not None:
+                        if pending is not None and rollouts.samples_at(started_step + 1):
+                            # the sampler waits for the step before: read it now, so each step's time is its own
+                            log(*reader.read(*pending))
+                            pending = None
                         batch, generated = rollouts.batch_for(state, started_step + 1)
                     else:
                         _, batch = next(batches)
@@ -234,9 +250,7 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool, rewards: list[Re
                     if pending is not None:  # read first, as a loop that builds each batch after the step before
                         log(*reader.read(*pending))
                     if isinstance(e, RewardError):  # the user's function: what it did, and what the run kept
-                        kept = checkpoints.latest_step()
-                        raise TrainingError(f"{e}; stopped before step {started_step + 1}; newest checkpoint kept: "
-                                            f"{'step ' + str(kept) if kept is not None else 'none'}") from None
+                        raise TrainingError(f"{e}; stopped before step {started_step + 1}; {kept()}") from None
                     raise
                 state, m = run.train_step(state, frozen, batch)
                 if rollouts is not None:
@@ -249,12 +263,12 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool, rewards: list[Re
                 if eval_now or started_step % config.checkpoint_every == 0:
                     step, record = reader.read(*pending)
                     pending = None
-                    if eval_now:
-                        record.update(evaluation(state))
-                    log(step, record)
-                    if step % config.checkpoint_every == 0:
+                    if step % config.checkpoint_every == 0:  # first: an evaluation that fails loses no step
                         save(state, step)
                         saved = step
+                    if eval_now:
+                        record.update(evaluation(state, step))
+                    log(step, record)
                     reader.restart_clock()  # eval and saving are not step time
             if pending is not None:
                 log(*reader.read(*pending))
@@ -262,7 +276,7 @@ def _train(config: TrainConfig, run_dir: RunDir, is_main: bool, rewards: list[Re
             if reader.done > saved:  # the last step (the end, --stop-after, SIGTERM) is always checkpointed
                 save(state, reader.done)
             if run.eval_rows is not None and not config.eval_every and reader.done == config.steps:
-                _write_metrics(metrics, out, reader.done, evaluation(state))
+                _write_metrics(metrics, out, reader.done, evaluation(state, reader.done))
             checkpoints.close()  # waits for the last save: a run is done when its checkpoint is
             finished = True
     except CheckpointSaveError as e:

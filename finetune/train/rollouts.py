@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -24,9 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from finetune.config import TrainConfig
+from finetune.data.layouts import NOT_PASSED_TO_REWARDS
 from finetune.rollout.batch import completion_width, left_padded, prompt_bucket, rollout_rows
-from finetune.rollout.rewards import Reward, TrainerState, score
-from finetune.step.policy import PolicyObjective, group_advantages, leave_one_out_advantages
+from finetune.rollout.rewards import Reward, RewardError, TrainerState, score
+from finetune.step.policy import (PolicyObjective, group_advantages, leave_one_out_advantages, nanstd,
+                                  weighted_rewards)
 from finetune.train.batches import local_row_range
 from jaxmodel.generation import Sampling, sample_arrays
 
@@ -63,13 +66,19 @@ class Rollouts:
         """The generation batch step `step` (counted from 1) trains on."""
         return (step - 1) // self.config.num_iterations
 
+    def samples_at(self, step: int) -> bool:
+        """Whether step `step` (counted from 1) starts with a new generation batch (its sampling waits for the step
+        before)."""
+        return self.current is None or self.current.k != self.generation_of(step)
+
     def batch_for(self, state, step: int) -> tuple[dict[str, jax.Array], dict[str, Any]]:
-        """(batch, metrics of its generation) of step `step`, sampling a new generation with `state`'s policy at the
-        first step of each."""
-        k = self.generation_of(step)
-        if self.current is None or self.current.k != k:
-            self.current = self.generate(state, k, step)
-        return self.current.batch, self.current.metrics
+        """(batch, metrics) of step `step`, sampling a new generation batch with `state`'s policy at the first step
+        of each; the generation's rewards and completions on each of its steps, its seconds (`time/`) on the one
+        that sampled."""
+        if self.samples_at(step):
+            self.current = self.generate(state, self.generation_of(step), step)
+            return self.current.batch, self.current.metrics
+        return self.current.batch, {k: v for k, v in self.current.metrics.items() if not k.startswith("time/")}
 
     def sampler_key(self, k: int) -> jax.Array:
         """The key generation batch `k` draws its completions from."""
@@ -97,20 +106,24 @@ class Rollouts:
         per_function, texts = self._rewards(prompts, rows, tokens, lengths, TrainerState(
             global_step=step - 1, max_steps=config.steps, epoch=k * config.batch_size / max(len(prompts), 1)))
         rewarded = time.perf_counter()
+        weighted = weighted_rewards(per_function, self.weights)
+        metrics = {}
         if self.objective.loss_type == "rloo":
-            kl = None
-            if self.objective.beta:
+            beta, kl = self.objective.beta, None
+            if beta:  # RLOO's KL, in its rewards: each completion's summed old-minus-reference log-ratio
                 kl = _gathered(jnp.sum(scores["old_logps"] - scores["ref_logps"], axis=1))
-            advantages = leave_one_out_advantages(per_function, self.weights, g, kl, self.objective.beta,
-                                                  config.normalize_advantages)
-            spread_zero = None
+                metrics["kl"] = float(kl.sum() / max(layout["loss_mask"].sum(), 1.0))
+            advantages = leave_one_out_advantages(per_function, self.weights, g, kl, beta, config.normalize_advantages)
+            penalised = weighted - np.float32(beta) * kl if beta else weighted
+            with warnings.catch_warnings():  # a group no function scores: NaN, which is not a zero spread (TRL's)
+                warnings.simplefilter("ignore", RuntimeWarning)
+                spread_zero = np.repeat(np.isclose(nanstd(penalised.reshape(-1, g), axis=1), 0.0), g)
         else:
             advantages, spread_zero = group_advantages(per_function, self.weights, g, config.scale_rewards)
         layout["advantage"] = np.where(layout["loss_mask"] > 0, advantages[:, None], 0.0).astype(np.float32)
         batch["advantage"] = self._global({"advantage": layout["advantage"]})["advantage"]
         batch.update({name: scores[name] for name in self.objective.logps_in_batch})
-        metrics = self._metrics(per_function, spread_zero, lengths, stopped, layout)
-        weighted = _weighted(per_function, self.weights)
+        metrics.update(self._metrics(per_function, weighted, spread_zero, lengths, stopped))
         metrics.update({"time/sample_s": sampled - began, "time/logps_s": scored - sampled,
                         "time/rewards_s": rewarded - scored,
                         "_positions": int(np.prod(layout["input_ids"].shape)),
@@ -136,36 +149,35 @@ class Rollouts:
         mine = rows[lo:hi]
         columns = prompts.columns(mine)
         prompt_values = columns.pop("prompt")
-        for name in ("completion", "completion_ids"):  # TRL's: the reward's own arguments, never a column's
+        for name in NOT_PASSED_TO_REWARDS:
             columns.pop(name, None)
         completion_ids = [tokens[i, :lengths[i]].tolist() for i in range(lo, hi)]
         texts = self.run.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
                        for prompt, text in zip(prompt_values, texts)]
         where = [prompts.where(r) for r in mine]
-        local = score(self.rewards, prompt_values, completions, completion_ids, columns, trainer_state, where)
+        error, local = None, np.zeros((hi - lo, len(self.rewards)), np.float32)
+        try:
+            local = score(self.rewards, prompt_values, completions, completion_ids, columns, trainer_state, where)
+        except RewardError as e:  # every process stops with it, rather than the others waiting for its rewards
+            error = e
+        _raise_on_every_process(error)
         every = _gathered_rows(local, lo, hi, n)
         return every, list(zip(prompt_values, texts, range(lo, hi)))[:max(shown, 0)]
 
-    def _metrics(self, per_function: np.ndarray, spread_zero: np.ndarray | None, lengths: np.ndarray,
-                 stopped: np.ndarray, layout: dict[str, np.ndarray]) -> dict[str, float]:
-        """TRL's names: each function's reward mean and spread over the completions it scores, the weighted reward's,
-        the share of prompts whose rewards are all equal, completion lengths and the share cut at
-        max_completion_length."""
-        import warnings
-
+    def _metrics(self, per_function: np.ndarray, weighted: np.ndarray, spread_zero: np.ndarray, lengths: np.ndarray,
+                 stopped: np.ndarray) -> dict[str, float]:
+        """TRL's names: each function's reward mean and spread over the completions it scores, the weighted reward's
+        (`weighted`), the share of prompts whose rewards are all equal (`spread_zero`, per completion), completion
+        lengths and the share cut at max_completion_length."""
         out = {}
         with warnings.catch_warnings():  # a function that scores no completion: NaN
             warnings.simplefilter("ignore", RuntimeWarning)
             for i, reward in enumerate(self.rewards):
                 out[f"rewards/{reward.short_name}/mean"] = float(np.nanmean(per_function[:, i]))
-                out[f"rewards/{reward.short_name}/std"] = float(_nanstd(per_function[:, i]))
-            weighted = _weighted(per_function, self.weights)
+                out[f"rewards/{reward.short_name}/std"] = float(nanstd(per_function[:, i]))
             out["reward"] = float(np.nanmean(weighted))
-            out["reward_std"] = float(_nanstd(weighted))
-        if spread_zero is None:
-            grouped = _weighted(per_function, self.weights).reshape(-1, self.generations)
-            spread_zero = np.repeat(np.isclose(np.nan_to_num(np.nanstd(grouped, axis=1)), 0.0), self.generations)
+            out["reward_std"] = float(nanstd(weighted))
         out["frac_reward_zero_std"] = float(np.mean(spread_zero.reshape(-1, self.generations)[:, 0]))
         out["completions/mean_length"] = float(np.mean(lengths))
         out["completions/min_length"] = float(np.min(lengths))
@@ -192,13 +204,11 @@ class Rollouts:
             per_function, texts = self._rewards(prompts, rows, tokens, row_lengths, trainer_state,
                                                 shown=config.eval_generate - len(written))
             per_function = per_function[:len(real)]
-            weighted = _weighted(per_function, self.weights)
+            weighted = weighted_rewards(per_function, self.weights)
             written += [{"prompt": p, "completion": c, "reward": float(weighted[i])} for p, c, i in texts
                         if i < len(real)]
-            scored = ~np.isnan(per_function)
             sums += np.nansum(per_function, axis=0)
-            counts += scored.sum(axis=0)
-            weighted = _weighted(per_function, self.weights)
+            counts += (~np.isnan(per_function)).sum(axis=0)
             weighted_sum += float(np.nansum(weighted))
             weighted_count += int(np.sum(~np.isnan(weighted)))
             lengths.extend(row_lengths[:len(real)].tolist())
@@ -252,17 +262,16 @@ def _stopped(tokens: np.ndarray, lengths: np.ndarray, eos: tuple[int, ...]) -> n
     return (lengths > 0) & np.isin(last, np.asarray(eos or (-1,)))
 
 
-def _weighted(per_function: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Each completion's weighted reward sum, NaN where no function scores it (TRL's)."""
-    weighted = np.nansum(per_function * weights[None, :], axis=1)
-    weighted[np.isnan(per_function).all(axis=1)] = np.nan
-    return weighted
+def _raise_on_every_process(error: RewardError | None) -> None:
+    """`error` raised on the process that met it, and on every other one a RewardError saying so."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
 
-
-def _nanstd(x: np.ndarray) -> float:
-    """TRL's `nanstd`: Bessel-corrected, over the non-NaN values."""
-    x = x[~np.isnan(x)]
-    return float(np.std(x, ddof=1)) if len(x) > 1 else float("nan")
+        failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))
+        if error is None and failed.any():
+            error = RewardError(f"a reward function failed on process {int(np.argmax(failed))} (see its error)")
+    if error is not None:
+        raise error
 
 
 def _gathered(x: jax.Array) -> np.ndarray:
