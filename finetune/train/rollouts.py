@@ -85,6 +85,8 @@ class Rollouts:
         return jax.random.fold_in(self.key, k)
 
     def generate(self, state, k: int, step: int) -> Generation:
+        """Generation batch `k`, drawn at step `step` with `state`'s policy: sampled, laid out, its log-prob passes
+        run, scored, its advantages computed, and its metrics (module docstring)."""
         config, run = self.config, self.run
         prompts, g = run.train_rows, self.generations
         rows = np.repeat(prompts.batch_rows(config.seed, k, config.batch_size), g)  # completion i: prompt i // G
