@@ -1,9 +1,12 @@
-"""The sampler's generated tokens per second against transformers' `generate`, side by side in one run: SmolLM2-135M
--Instruct (tests/pretrained.py's checkpoint, float32), a batch of 64 chat prompts left-padded, 128 new tokens each
-drawn at temperature 1 (no row stops early: no EOS), rounds alternating which side runs first. Each side runs in a
-child process (this one imports neither jax nor torch), which converts or loads the model, draws once to compile
-or warm up (its seconds reported apart), then times `--reps` draws; a side's figure is generated tokens (64 x 128)
-over the median draw, with the spread over every draw of every round and the child's peak RSS.
+"""The sampler's generated tokens per second against transformers' `generate` and vLLM's CPU build, side by side in
+one run: SmolLM2-135M-Instruct (tests/pretrained.py's checkpoint, float32), a batch of 64 chat prompts (left-padded
+where a side pads), 128 new tokens each drawn at temperature 1 (no row stops early: no EOS), rounds alternating
+which side runs first. Each side runs in a child process (this one imports neither jax nor torch), which converts
+or loads the model, draws once to compile or warm up (its seconds reported apart), then times `--reps` draws; a
+side's figure is generated tokens (64 x 128) over the median draw, with the spread over every draw of every round
+and the child's peak RSS (vLLM's: its front process and its engine process, the larger). vLLM runs from its own
+environment (`--vllm-python`, default `tox -e serve`'s .tox/vllm; left out when there is none), with
+`VLLM_CPU_KVCACHE_SPACE=1` (GiB) and its own defaults otherwise.
 
     python bench/sampler.py [--rounds 3] [--reps 2] [--batch 64] [--new 128] [--workdir /tmp/llama-jax-bench]
 
@@ -14,15 +17,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
+import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_runs import GB, cpu_description  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+# The end of each side's child script: a first draw (compile or warm-up), then `reps` timed draws of `draw(seed)`,
+# printed as one JSON line with `prompt_shape` and the peak RSS (of the child and, for vLLM, its engine process).
+_TIMED_DRAWS = r"""
+start = time.perf_counter()
+draw(0)
+first = time.perf_counter() - start
+times = []
+for rep in range(reps):
+    start = time.perf_counter()
+    draw(rep + 1)
+    times.append(time.perf_counter() - start)
+rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+print(json.dumps({"first": first, "times": times, "prompt": prompt_shape, "peak_rss": rss * 1024}))
+"""
 # One side's measurement, in a child process: argv = side, checkpoint, converted dir, batch, new tokens, reps.
 _CHILD = r"""
 import json, resource, sys, time
@@ -61,36 +81,69 @@ else:
                                  temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new, min_new_tokens=new,
                                  pad_token_id=tokenizer.pad_token_id)
         assert out.shape[1] == ids.shape[1] + new
-start = time.perf_counter()
-draw(0)
-first = time.perf_counter() - start
-times = []
-for rep in range(reps):
-    start = time.perf_counter()
-    draw(rep + 1)
-    times.append(time.perf_counter() - start)
-print(json.dumps({"first": first, "times": times, "prompt": list(ids.shape),
-                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
-"""
+prompt_shape = list(ids.shape)
+""" + _TIMED_DRAWS
 
 
-def measure(side: str, checkpoint: Path, converted: Path, batch: int, new: int, reps: int) -> dict:
-    done = subprocess.run([sys.executable, "-c", _CHILD, side, str(checkpoint), str(converted), str(batch), str(new),
-                           str(reps)], cwd=ROOT, capture_output=True, text=True,
-                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+# vLLM's side, run as a script by vLLM's own python (its engine process spawns: a `__main__` guard, and a file):
+# argv = checkpoint, batch, new tokens, reps.
+_VLLM_CHILD = r"""
+import json, resource, sys, time
+sys.path.insert(0, "tests")
+from transformers import AutoTokenizer
+from pretrained import chat_rows
+if __name__ == "__main__":
+    checkpoint, batch, new, reps = sys.argv[1], *map(int, sys.argv[2:])
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    topics = [row["messages"][0]["content"] for row in chat_rows([f"topic {i}" for i in range(batch)])][:batch]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                           add_generation_prompt=True) for t in topics]
+    prompts = [{"prompt_token_ids": ids} for ids in tokenizer(texts)["input_ids"]]
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=checkpoint, dtype="float32", max_model_len=512, seed=0)
+    def draw(seed):
+        params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=new, min_tokens=new, ignore_eos=True,
+                                seed=seed)
+        out = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == new for o in out)
+    prompt_shape = [batch, max(len(p["prompt_token_ids"]) for p in prompts)]
+""" + textwrap.indent(_TIMED_DRAWS, "    ")
+
+
+def measure(side: str, checkpoint: Path, converted: Path, batch: int, new: int, reps: int,
+            vllm_python: Path | None = None) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if side == "vllm":
+        script = Path(tempfile.mkdtemp(prefix="sampler-vllm-")) / "vllm_side.py"
+        script.write_text(_VLLM_CHILD)
+        env.pop("PYTHONPATH", None)
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+        done = subprocess.run([str(vllm_python), str(script), str(checkpoint), str(batch), str(new), str(reps)],
+                              cwd=ROOT, capture_output=True, text=True, env=env)
+    else:
+        done = subprocess.run([sys.executable, "-c", _CHILD, side, str(checkpoint), str(converted), str(batch),
+                               str(new), str(reps)], cwd=ROOT, capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(f"{side} side failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # vLLM logs its shutdown after the figures: the figures are the last JSON line.
+    return json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/llama-jax-bench"))
-    args = parser.parse_args()
+    parser.add_argument("--vllm-python", type=Path, default=Path(os.environ.get(
+        "LLAMA_JAX_VLLM_PYTHON", ROOT / ".tox" / "vllm" / "bin" / "python")),
+                        help="the python of vLLM's environment (tests/vllm_env.py); no vLLM side when it is missing")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     sys.path.insert(0, str(ROOT / "tests"))
     from pretrained import smollm2_checkpoint
 
@@ -99,12 +152,13 @@ def main() -> None:
     if not (converted / "jax_checkpoint.json").is_file():
         subprocess.run([str(Path(sys.executable).parent / "convert-llama"), "--src", str(checkpoint), "--out",
                         str(converted), "--overwrite"], check=True, capture_output=True)
-    results: dict[str, list[dict]] = {"jax": [], "transformers": []}
+    sides = ["jax", "transformers"] + (["vllm"] if args.vllm_python.is_file() else [])
+    results: dict[str, list[dict]] = {side: [] for side in sides}
     for round_ in range(args.rounds):
-        order = ["jax", "transformers"] if round_ % 2 == 0 else ["transformers", "jax"]
+        order = sides if round_ % 2 == 0 else sides[::-1]
         for side in order:
-            results[side].append(measure("jax" if side == "jax" else "torch", checkpoint, converted, args.batch,
-                                         args.new, args.reps))
+            results[side].append(measure({"transformers": "torch"}.get(side, side), checkpoint, converted,
+                                         args.batch, args.new, args.reps, args.vllm_python))
             print(f"round {round_ + 1} {side}: {results[side][-1]}", flush=True)
     tokens = args.batch * args.new
     print(f"\nSmolLM2-135M-Instruct float32, batch {args.batch} x {args.new} new tokens (prompts padded to "
@@ -119,7 +173,8 @@ def main() -> None:
         print(f"| {side} | {medians[side]:.2f} | {min(times):.2f}-{max(times):.2f} | {tokens / medians[side]:,.0f} | "
               f"{statistics.median(run['first'] for run in runs):.1f} | "
               f"{max(run['peak_rss'] for run in runs) / GB:.2f} GB |")
-    print(f"sampler / transformers: {medians['transformers'] / medians['jax']:.2f}x the tokens a second")
+    for other in sides[1:]:
+        print(f"sampler / {other}: {medians[other] / medians['jax']:.2f}x the tokens a second")
 
 
 if __name__ == "__main__":
