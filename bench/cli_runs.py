@@ -82,8 +82,7 @@ def build_model(workdir: str | Path, config: dict) -> Path:
     written.unlink(missing_ok=True)
     print(f"building the model in {hf_dir} (torch, float32) and converting it to {converted} ...", flush=True)
     start = time.perf_counter()
-    # A child process: torch and the model's weights never enter this process (see run_cli).
-    subprocess.run([sys.executable, "-c", _BUILD, str(hf_dir), json.dumps(config)], check=True)
+    build_hf_model(hf_dir, config)
     run = run_cli(["convert-llama", "--src", str(hf_dir), "--out", str(converted), "--no-progress"])
     if not run.ok:
         raise RuntimeError(f"convert-llama failed (exit {run.returncode}): {run.error_lines()}")
@@ -91,6 +90,14 @@ def build_model(workdir: str | Path, config: dict) -> Path:
     written.write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
     print(f"model ready in {time.perf_counter() - start:.0f} s", flush=True)
     return converted
+
+
+def build_hf_model(out: str | Path, config: dict) -> Path:
+    """demo.tiny.build_tiny_model(out, config, seed=0) in a child process: torch and the model's weights never
+    enter this process (see run_cli)."""
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-c", _BUILD, str(out), json.dumps(config)], cwd=root, check=True)
+    return Path(out)
 
 
 def write_text_data(path: str | Path, tokens_needed: int, seed: int, row_words: int = 1000) -> Path:
@@ -117,6 +124,18 @@ def write_text_data(path: str | Path, tokens_needed: int, seed: int, row_words: 
     return path
 
 
+def console_script(name: str) -> list[str]:
+    """The command line that runs console script `name`: the script installed beside sys.executable, or where the
+    toolkit is not installed (a copy of the tree on a GPU machine, PYTHONPATH at its root) its entry point from
+    pyproject.toml through this interpreter."""
+    if (BIN / name).is_file():
+        return [str(BIN / name)]
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    module, function = re.search(rf'^{re.escape(name)} = "([\w.]+):(\w+)"$', pyproject, re.MULTILINE).groups()
+    return [sys.executable, "-c", f"import sys; from {module} import {function}; sys.argv[0] = {name!r}; "
+                                  f"sys.exit({function}())"]
+
+
 def run_cli(args: list[str], env: dict | None = None) -> CliRun:
     """Run a console script installed beside sys.executable (`args[0]`, e.g. "finetune-lora") with its
     arguments; returns its exit code, output, wall seconds and peak RSS.
@@ -127,7 +146,7 @@ def run_cli(args: list[str], env: dict | None = None) -> CliRun:
     child's own only because this process stays small: the benchmarks that use this never import jax, torch or
     the toolkit, and build models in child processes (own_peak_rss() shows the bound). Keep it that way.
     """
-    command = [str(BIN / args[0]), *map(str, args[1:])]
+    command = [*console_script(args[0]), *map(str, args[1:])]
     full_env = {**os.environ, **(env or {})}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()

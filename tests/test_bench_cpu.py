@@ -7,6 +7,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 ZEN4 = """processor\t: 0
@@ -38,3 +40,18 @@ def test_the_cpu_line_names_the_model_the_cores_and_the_matrix_instructions():
 def test_the_cpu_line_of_this_machine_reads_proc_cpuinfo():
     line = cli_runs().cpu_description()
     assert ", " in line and " cores" in line
+
+
+@pytest.mark.slow
+def test_a_console_script_runs_through_its_entry_point_where_none_is_installed(monkeypatch, tmp_path):
+    """bench/gpu_session.sh runs the tree uninstalled on a GPU machine: the benches reach the CLI through
+    pyproject.toml's entry points there."""
+    import subprocess
+
+    module = cli_runs()
+    monkeypatch.setattr(module, "BIN", tmp_path)  # no console script beside the interpreter
+    command = module.console_script("convert-llama")
+    assert command[:2] == [sys.executable, "-c"]
+    done = subprocess.run([*command, "--help"], capture_output=True, text=True, cwd=ROOT,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and done.stdout.startswith("usage: convert-llama")
