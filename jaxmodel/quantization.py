@@ -55,6 +55,7 @@ INT8_MAX = 127
 INT8_STEP = np.float32(1 / INT8_MAX)  # 7.874015718698502e-3, as bitsandbytes writes it
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = np.float32(ml_dtypes.finfo(FP8).max)  # 448
+FP8_FNUZ = np.dtype(ml_dtypes.float8_e4m3fnuz)  # MI300X's FP8: bias 8, largest 240, 0x80 its only NaN
 DEFAULT_BLOCKS = {"nf4": 64, "int8": 64, "fp8": 128}
 
 
@@ -166,6 +167,19 @@ def _quantize_fp8(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     scaled = np.clip(x_rbcb * scale_rc[..., :, None, :, None], -FP8_MAX, FP8_MAX)
     codes = scaled.astype(FP8).reshape(*lead, rows * block, cols * block)[..., :out, :in_features]
     return np.ascontiguousarray(codes), (np.float32(1) / scale_rc).astype(np.float32)
+
+
+def fnuz_codes(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """fp8 `codes` (float8_e4m3fn, or their bits as uint8) and their block `scales` as float8_e4m3fnuz codes and
+    scales: the FP8 of MI300X's matrix cores, whose exponent bias is 8, not 7, so that the same bits mean half the
+    value. The bits are kept and the scales doubled, which keeps every finite value exactly (e4m3fn's largest, 448,
+    bits 0x7e, is e4m3fnuz's 224 times 2); -0 (0x80, e4m3fnuz's NaN) becomes 0. Cast as values instead, every code
+    past 240 would become NaN. ValueError for a NaN code (0x7f, 0xff), which no quantized weight holds."""
+    bits = np.asarray(codes).view(np.uint8)
+    nan = (bits & 0x7F) == 0x7F
+    if nan.any():
+        raise ValueError(f"{int(nan.sum())} fp8 codes are NaN (0x7f or 0xff): not the codes of a quantized weight")
+    return np.where(bits == 0x80, np.uint8(0), bits).view(FP8_FNUZ), np.asarray(scales, np.float32) * np.float32(2)
 
 
 def dequantize_numpy(codes: np.ndarray, scales: np.ndarray, quantization: Quantization) -> np.ndarray:

@@ -17,7 +17,7 @@ from transformers.integrations.finegrained_fp8 import Fp8Dequantize, Fp8Quantize
 from jaxmodel import CausalLM, ModelConfig
 from jaxmodel.layers import QuantizedParam
 from jaxmodel.model import quantize_model
-from jaxmodel.quantization import Quantization, dequantize, dequantize_numpy, quantize
+from jaxmodel.quantization import Quantization, dequantize, dequantize_numpy, fnuz_codes, quantize
 from jaxmodel.sharding import variable_sharding
 
 # A DeepSeek-V3 on 4 x 4 blocks: kv_a_proj_with_mqa's 10 rows end in a partial block, as the hub's 576 do at 128.
@@ -83,6 +83,37 @@ def test_dequantized_as_transformers_dequantizes(shape, block):
 def test_nonfinite_weights_are_refused():
     with pytest.raises(ValueError, match="NaN or infinite"):
         quantize(np.array([[1.0, np.inf]], np.float32), Quantization("fp8", 2))
+
+
+def test_fnuz_codes_keep_every_finite_value():
+    """MI300X's e4m3fnuz: every finite e4m3fn code (all 254 of them, both zeros) times its scale equals its fnuz code
+    times the fnuz scale, in float64 by ml_dtypes' own casts; a weight quantized with partial blocks dequantizes to the
+    same float32 values; NaN codes are refused."""
+    bits = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    finite = ~np.isnan(bits.view(ml_dtypes.float8_e4m3fn).astype(np.float64))
+    scales = np.float32([[0.75, 3.0], [2.0**-20, 2.0**40]])  # 8 x 8 blocks
+    codes, fnuz_scales = fnuz_codes(np.where(finite, bits, 0), scales)
+    assert codes.dtype == ml_dtypes.float8_e4m3fnuz and fnuz_scales.dtype == np.float32
+    per_value = np.repeat(np.repeat(scales, 8, 0), 8, 1).astype(np.float64)
+    fnuz_per_value = np.repeat(np.repeat(fnuz_scales, 8, 0), 8, 1).astype(np.float64)
+    want = bits.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * per_value
+    got = codes.astype(np.float64) * fnuz_per_value
+    np.testing.assert_array_equal(got[finite], want[finite])
+    assert not np.isnan(got).any() and codes.view(np.uint8)[8, 0] == 0  # -0 (0x80) became 0
+    assert bits[7, 14] == 0x7E and got[7, 14] == 448.0 * 3.0  # e4m3fn's largest, past e4m3fnuz's 240
+    quantization = Quantization("fp8", 4)
+    w_codes, w_scales = quantize(weights((10, 7)), quantization)
+    np.testing.assert_array_equal(dequantize_numpy(w_codes, w_scales, quantization),
+                                  _blockwise(*fnuz_codes(w_codes, w_scales), 4))
+    with pytest.raises(ValueError, match="2 fp8 codes are NaN"):
+        fnuz_codes(bits, scales)
+
+
+def _blockwise(codes, scales, block):
+    """float32 `codes * scale`, each scale over its block (an independent reading of the layout)."""
+    out, cols = codes.shape
+    scale = np.repeat(np.repeat(scales, block, 0), block, 1)[:out, :cols]
+    return codes.astype(np.float32) * scale
 
 
 @pytest.mark.slow
