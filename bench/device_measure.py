@@ -40,6 +40,7 @@ from finetune.step.flops import flops_per_token
 from finetune.train.metrics import measure_peak_flops, peak_memory_gb, seconds_per_call
 from jaxmodel.attention import attention
 from jaxmodel.config import ModelConfig
+from jaxmodel.quantization import Quantization
 from jaxmodel.lora import apply_lora
 from jaxmodel.model import CausalLM
 from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, named_sharding
@@ -162,9 +163,14 @@ def build_step(llama: ModelConfig, config: TrainConfig, devices: list) -> Step:
     dtype = DTYPES[config.dtype]
     impl = choose_attention(config, llama, mesh.shape["cp"]).impl
 
+    # a quantized base as --plan --quantize plans one (random codes), multiplied as --fp8-matmul says
+    quantization = config.multiplied(None if config.quantize == "none" else Quantization(config.quantize,
+                                                                                          config.quant_block))
+
     def build():
         model = CausalLM(llama, dtype=dtype, param_dtype=DTYPES[config.param_dtype], remat=config.remat,
-                                 attention=impl, mlp_chunk=config.mlp_chunk, rules=DEFAULT_RULES, rngs=nnx.Rngs(0))
+                         attention=impl, mlp_chunk=config.mlp_chunk, rules=DEFAULT_RULES, quantization=quantization,
+                         rngs=nnx.Rngs(0))
         return apply_lora(model, config.lora_config(), rngs=nnx.Rngs(1))
 
     with jax.set_mesh(mesh):

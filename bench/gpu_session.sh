@@ -23,6 +23,9 @@
 #                        command buffers off, so that each kernel's trace event names its HLO instruction)
 #   grpo.txt             bench/grpo.py, bf16, SmolLM2-135M's shapes: a GRPO step's time split into sampling, the
 #                        log-prob pass, the rewards and the training step, through finetune-lora
+#   profile-fp8-*.json/.txt  bench/step_profile.py at 8B widths (16 layers), bf16, 4 x 2048 on an FP8 base (random
+#                        codes): dequantized layer by layer, then multiplied in FP8 (--fp8-matmul e4m3fn, the
+#                        H100/H200's format), the step's time and where it goes
 #
 # A measurement that runs past its limit is cut off and the next one starts; what finished stays in the folder. The
 # whole script keeps within $GPU_SESSION_SECONDS (default 530): a measurement's limit is cut to what is left, and
@@ -103,3 +106,5 @@ else
   echo "skipped: datasets and tensorboardX are missing here (bash bench/gpu_wheels.sh, then carry .whl)" \
     | tee "$out/grpo.txt"
 fi
+profile profile-fp8-dequantized 60 --shape 8b --layers 16 --dtype bfloat16 --batch 4 --seq 2048 --steps 2 --quantize fp8
+profile profile-fp8-matmul 60 --shape 8b --layers 16 --dtype bfloat16 --batch 4 --seq 2048 --steps 2 --quantize fp8 --fp8-matmul e4m3fn

@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq", type=positive, default=SEQ, help=f"tokens a row (default {SEQ})")
     parser.add_argument("--attention", choices=choices("attention"), default="auto",
                         help="finetune-lora's --attention (default auto)")
+    parser.add_argument("--quantize", choices=choices("quantize"), default="none",
+                        help="a frozen base quantized this way, random codes (finetune-lora --plan --quantize)")
+    parser.add_argument("--fp8-matmul", choices=choices("fp8_matmul"), default="off",
+                        help="with --quantize fp8: finetune-lora's --fp8-matmul")
     parser.add_argument("--steps", type=positive, default=3, help="steps timed untraced, and steps traced (default 3)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     return parser
@@ -208,7 +212,8 @@ def main() -> None:
     targets = MOE_DEFAULT_TARGETS if args.shape in MOE_SHAPES else TARGETS
     config = TrainConfig(mesh="dp=1,fsdp=1,mp=1", batch_size=args.batch, seq_len=args.seq, dtype=args.dtype,
                          param_dtype=args.dtype, rank=RANK, alpha=ALPHA, targets=",".join(targets), lr=LR,
-                         schedule="constant", clip_norm=0.0, steps=10**6, attention=args.attention)
+                         schedule="constant", clip_norm=0.0, steps=10**6, attention=args.attention,
+                         quantize=args.quantize, fp8_matmul=args.fp8_matmul)
     step = dm.build_step(llama, config, jax.devices()[:1])
     for _ in range(2):
         step.run()
@@ -223,8 +228,10 @@ def main() -> None:
     peak = measure_peak_flops(getattr(jnp, args.dtype), 2048 if on_cpu else 8192, 10)
     model_flops = flops_per_token(llama, args.seq) * args.batch * args.seq
     machine = f"CPU: {cpu_description()}" if on_cpu else f"device: {jax.devices()[0].device_kind}"
+    base = "" if args.quantize == "none" else f"; base {args.quantize}" + (
+        "" if args.fp8_matmul == "off" else f" multiplied in {args.fp8_matmul}")
     print(f"{machine}; shape {args.shape} ({llama.num_hidden_layers} layers); batch {args.batch} x seq {args.seq}; "
-          f"{args.dtype}; attention {step.attention}; {args.steps} steps traced\n")
+          f"{args.dtype}{base}; attention {step.attention}; {args.steps} steps traced\n")
     print_table(table)
     print(f"\nstep {seconds:.3f} s untraced (median of {args.steps}); model FLOPs {model_flops / 1e9:.1f} GFLOP a "
           f"step, at the {args.dtype} matmul peak of {peak / 1e9:.0f} GFLOP/s measured now: "
@@ -232,7 +239,8 @@ def main() -> None:
     if args.json:
         rows = {f"{part} {kind}": row for (part, kind), row in table["rows"].items()}
         Path(args.json).write_text(json.dumps({
-            "shape": args.shape, "dtype": args.dtype, "layers": llama.num_hidden_layers, "batch": args.batch,
+            "shape": args.shape, "dtype": args.dtype, "quantize": args.quantize, "fp8_matmul": args.fp8_matmul,
+            "layers": llama.num_hidden_layers, "batch": args.batch,
             "seq": args.seq, "attention": step.attention, "machine": machine, "step_seconds": seconds,
             "model_flops": model_flops, "matmul_peak_flops": peak, "traced_step_ms": table["span_ms"],
             "idle_ms": table["idle_ms"], "parts": rows}, indent=1))

@@ -9,9 +9,12 @@ import argparse
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any, Callable, Literal, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Callable, Literal, get_args, get_origin, get_type_hints
 
 from jaxmodel.errors import UsageError
+
+if TYPE_CHECKING:
+    from jaxmodel.quantization import Quantization
 
 
 class ConfigFileError(ValueError, UsageError):
@@ -313,6 +316,13 @@ class TrainConfig:
                                    "are computed again in the backward pass, and a sequence (per cp device) of at "
                                    "most this many positions takes the plain loss (0: always plain)",
                              resume=Allowed("memory/speed only, same function"))
+    fp8_matmul: Literal["off", "e4m3fn", "e4m3fnuz"] = option(
+        "off", "with an fp8 base: multiply the frozen projections in this FP8 against their codes as stored (e4m3fn: "
+               "H100, H200; e4m3fnuz: MI300X), the activations quantized per 1 x block tile, instead of dequantizing "
+               "each weight to --dtype first (docs/deepseek-on-mi300x.md: the bound on the difference); gradients "
+               "through the dequantized weight",
+        resume=Allowed("how the frozen weights are multiplied: the same adapter and optimizer state, the step's values "
+                       "within the documented bound of each other"))
     mlp_chunk: int = option(4096, "positions per chunk of the MLP (per device of the cp axis) when a sequence is "
                                   "longer (0: never chunk)",
                             resume=Allowed("memory/speed only, same function"))
@@ -543,6 +553,16 @@ class TrainConfig:
         if not all(math.isfinite(w) for w in weights):
             raise ConfigFileError(f"--reward-weights {self.reward_weights!r}: expected finite numbers")
         return weights
+
+    def multiplied(self, quantization: Quantization | None) -> Quantization | None:
+        """The base's quantization as the run multiplies it: with --fp8-matmul, an fp8 base's codes in that FP8."""
+        if self.fp8_matmul == "off":
+            return quantization
+        if quantization is None or quantization.scheme != "fp8":
+            held = "not quantized" if quantization is None else f"quantized {quantization.scheme}"
+            raise ConfigFileError(f"--fp8-matmul {self.fp8_matmul}: the base is {held}; FP8 matmuls take an fp8 base "
+                                  "(an FP8 checkpoint, or convert-llama --quantize fp8)")
+        return dataclasses.replace(quantization, matmul=self.fp8_matmul)
 
     def check_router_objective(self) -> None:
         """Training the router (target `gate`) adds the load-balancing loss to the SFT objective; the preference

@@ -18,6 +18,7 @@ from flax import nnx
 from jaxmodel import scopes
 from jaxmodel.context_parallel import cp_size
 from jaxmodel.matmul import einsum_acc32, saved_as_dot
+from jaxmodel.fp8_matmul import fp8_matmul
 from jaxmodel.quantization import Quantization, dequantize
 from jaxmodel.sharding import DEFAULT_RULES, Rules, constrain
 
@@ -87,6 +88,8 @@ class Linear(nnx.Module):
             x_ni = (x if cp_size() > 1 else x.reshape(-1, in_features)).astype(self.dtype)
             if self.quantization is None:
                 y_no = _matmul(x_ni, self.weight[...].astype(self.dtype))
+            elif self.quantization.matmul is not None:  # in FP8 against the codes as they are
+                y_no = fp8_matmul(x_ni, self.codes[...], self.scales[...], self.quantization)
             else:
                 # The dequantized weight is what XLA gathers over fsdp: pinning the codes and scales whole along the
                 # hidden axis here gathers 9/32 of those bytes in NF4, but XLA then copies every layer's codes into

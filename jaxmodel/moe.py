@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxmodel import scopes
+from jaxmodel.fp8_matmul import fp8_product
 from jaxmodel.layers import Linear, LoRAParam, _stacked, frozen_weight, swiglu
 from jaxmodel.matmul import saved_as_dot
 from jaxmodel.quantization import Quantization, dequantize
@@ -246,25 +247,32 @@ def _varying(x, axes: tuple[str, ...]):
 
 
 def _blocks_forward(x_ai, w_eoi, rows, block):
-    positions, block_expert, used = _block_layout(rows, block)
-    n, o = block_expert.shape[0], w_eoi.shape[1]
-    x_nbi = _padded(x_ai, positions, n, block)
-    varying = tuple(_varying_axes(x_ai) | _varying_axes(w_eoi))  # inside shard_map, as the products are
-
-    def multiply(x_bi, expert):
+    def product(x_bi, expert):
         return _block_product(x_bi, jax.lax.dynamic_index_in_dim(w_eoi, expert, axis=0, keepdims=False))
 
+    return _over_blocks(x_ai, rows, block, w_eoi.shape[1], _varying_axes(w_eoi), product)
+
+
+def _over_blocks(x_ai, rows, block: int, out: int, weight_varying: frozenset[str], product):
+    """float32 `[a, out]`: `product(x_bi, expert)` `[block, out]` of each block of the sorted rows `x_ai` in the
+    padded layout (`_block_layout`), the blocks past the last one holding rows skipped; `weight_varying` the mesh
+    axes the weights differ over inside `shard_map`."""
+    positions, block_expert, used = _block_layout(rows, block)
+    n = block_expert.shape[0]
+    x_nbi = _padded(x_ai, positions, n, block)
+    varying = tuple(_varying_axes(x_ai) | weight_varying)  # inside shard_map, as the products are
+
     def skip(x_bi, expert):
-        return _varying(jnp.zeros((block, o), jnp.float32), varying)
+        return _varying(jnp.zeros((block, out), jnp.float32), varying)
 
     def one_block(xs):
         x_bi, expert, index = xs
         # the blocks past the last one holding rows are skipped: the static length is the worst routing's
         with jax.named_scope(scopes.EXPERT_BLOCK):
-            return jax.lax.cond(index < used, multiply, skip, x_bi, expert)
+            return jax.lax.cond(index < used, product, skip, x_bi, expert)
 
     y_nbo = jax.lax.map(one_block, (x_nbi, block_expert, jnp.arange(n, dtype=jnp.int32)))
-    return y_nbo.reshape(n * block, o).at[positions].get(mode="fill", fill_value=0)
+    return y_nbo.reshape(n * block, out).at[positions].get(mode="fill", fill_value=0)
 
 
 def _varying_axes(x: jax.Array) -> frozenset[str]:
@@ -388,6 +396,9 @@ class GroupedLinear(nnx.Module):
         x_ai = x_ai.astype(self.dtype)
         if self.quantization is None:
             y_ao = grouped_matmul(x_ai, self.weight[...].astype(self.dtype), rows, self.grouped, self.block)
+        elif self.quantization.matmul is not None:
+            y_ao = _fp8_grouped_matmul(x_ai, self.codes[...], self.scales[...], rows, self.quantization, self.dtype,
+                                       self.grouped, self.block)
         else:
             y_ao = _dequantized_grouped_matmul(x_ai, self.codes[...], self.scales[...], rows, self.quantization,
                                                self.dtype, self.grouped, self.block)
@@ -408,6 +419,36 @@ class GroupedLinear(nnx.Module):
                    static_argnums=(4, 5, 6, 7))
 def _dequantized_grouped_matmul(x_ai, codes, scales, rows, quantization: Quantization, dtype, impl: str, block: int):
     return grouped_matmul(x_ai, dequantize(codes, scales, quantization, dtype), rows, impl, block)
+
+
+# An fp8 base multiplied in FP8 (`Quantization.matmul`): each block of rows against its expert's codes as stored
+# (`jaxmodel.fp8_matmul`), on the blocks path whatever `impl`; the backward pass is the dequantized grouped matmul's,
+# whose weight stays frozen.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fp8_grouped_matmul(x_ai, codes, scales, rows, quantization: Quantization, dtype, impl: str, block: int | None):
+    def product(x_bi, expert):
+        take = functools.partial(jax.lax.dynamic_index_in_dim, index=expert, axis=0, keepdims=False)
+        return fp8_product(x_bi, take(codes), take(scales), quantization)
+
+    return _over_blocks(x_ai, rows, block or block_rows(x_ai.shape[0], codes.shape[0]), codes.shape[1],
+                        _varying_axes(codes) | _varying_axes(scales), product)
+
+
+def _fp8_grouped_matmul_fwd(x_ai, codes, scales, rows, quantization, dtype, impl, block):
+    return _fp8_grouped_matmul(x_ai, codes, scales, rows, quantization, dtype, impl, block), (x_ai, codes, scales,
+                                                                                               rows)
+
+
+def _fp8_grouped_matmul_bwd(quantization, dtype, impl, block, residuals, dy_ao):
+    x_ai, codes, scales, rows = residuals
+    _, vjp = jax.vjp(lambda x: _dequantized_grouped_matmul(x, codes, scales, rows, quantization, dtype, impl, block),
+                     x_ai)
+    no_gradient = functools.partial(np.zeros, dtype=jax.dtypes.float0)  # the codes and the routes: integers
+    return (vjp(dy_ao)[0], no_gradient(codes.shape), jnp.zeros_like(scales),
+            jax.tree.map(lambda r: no_gradient(r.shape), rows))
+
+
+_fp8_grouped_matmul.defvjp(_fp8_grouped_matmul_fwd, _fp8_grouped_matmul_bwd)
 
 
 class Experts(nnx.Module):

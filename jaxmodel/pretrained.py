@@ -4,6 +4,8 @@ a quantized model (`jaxmodel.quantization`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import jax
@@ -21,19 +23,24 @@ from jaxmodel.sharding import DEFAULT_RULES, Rules, variable_sharding
 
 def load_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None, dtype=None, param_dtype=None,
                     rules: Rules = DEFAULT_RULES, remat: str = "none", attention: str = "xla",
-                    mlp_chunk: int = 0) -> CausalLM:
+                    mlp_chunk: int = 0, fp8_matmul: str | None = None) -> CausalLM:
     """Build the model from a converted checkpoint.
 
     With a mesh, each parameter is placed straight onto its sharding (from its logical axes and `rules`)
     and each process reads only the bytes of the shards its devices hold. `param_dtype` casts the stored
     weights (default: as stored), but a parameter the model keeps in a dtype of its own (DeepSeek-V3's float32
     router); `dtype` is the compute dtype (default: the embedding's dtype). The codes and scales of a quantized
-    checkpoint are loaded as stored, whatever `param_dtype`.
+    checkpoint are loaded as stored, whatever `param_dtype`. `fp8_matmul` ("e4m3fn", "e4m3fnuz"): an fp8 base's
+    projections multiply in that FP8 (`Quantization.matmul`; ValueError for another base).
     """
     directory = Path(path)
     config = ModelConfig.from_hf(directory)
     manifest = read_manifest(directory)
     quantization = checkpoint_quantization(manifest, directory / MANIFEST)
+    if fp8_matmul is not None:
+        if quantization is None:
+            raise ValueError(f"FP8 matmuls {fp8_matmul!r} on {directory}: its base is not quantized")
+        quantization = dataclasses.replace(quantization, matmul=fp8_matmul)
     stored = manifest["tensors"]
     if dtype is None:
         dtype = param_dtype or DTYPES_BY_NAME[stored.get("embed_tokens.weight", {}).get("dtype", "float32")]

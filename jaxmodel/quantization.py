@@ -57,15 +57,19 @@ FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = np.float32(ml_dtypes.finfo(FP8).max)  # 448
 FP8_FNUZ = np.dtype(ml_dtypes.float8_e4m3fnuz)  # MI300X's FP8: bias 8, largest 240, 0x80 its only NaN
 DEFAULT_BLOCKS = {"nf4": 64, "int8": 64, "fp8": 128}
+FP8_MATMULS = ("e4m3fn", "e4m3fnuz")  # H100/H200's FP8, MI300X's
 
 
 @dataclasses.dataclass(frozen=True)
 class Quantization:
     """How the frozen projection weights are stored: `scheme` "nf4", "int8" (`block` values per absmax) or "fp8"
-    (`block x block` values per scale)."""
+    (`block x block` values per scale); and, for fp8, how they are multiplied: `matmul` None dequantizes each weight
+    to the compute dtype first, "e4m3fn" or "e4m3fnuz" multiplies in that FP8 (`jaxmodel.fp8_matmul`). `matmul` is a
+    choice of the run, not of the checkpoint: `to_json` leaves it out."""
 
     scheme: str
     block: int | None = None  # DEFAULT_BLOCKS[scheme]
+    matmul: str | None = None
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
@@ -75,6 +79,9 @@ class Quantization:
         if not isinstance(self.block, int) or self.block < 1 or (self.scheme == "nf4" and self.block % 2):
             raise ValueError(f"quantization block {self.block!r}: expected a positive integer"
                              f"{' (even: nf4 packs two codes per byte)' if self.scheme == 'nf4' else ''}")
+        if self.matmul is not None and (self.scheme != "fp8" or self.matmul not in FP8_MATMULS):
+            raise ValueError(f"FP8 matmuls {self.matmul!r}: expected one of {', '.join(FP8_MATMULS)}, on an fp8 base "
+                             f"(this one is {self.scheme})")
 
     @property
     def two_dimensional(self) -> bool:
@@ -169,17 +176,22 @@ def _quantize_fp8(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(codes), (np.float32(1) / scale_rc).astype(np.float32)
 
 
-def fnuz_codes(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def fnuz_codes(codes, scales, xp=np):
     """fp8 `codes` (float8_e4m3fn, or their bits as uint8) and their block `scales` as float8_e4m3fnuz codes and
     scales: the FP8 of MI300X's matrix cores, whose exponent bias is 8, not 7, so that the same bits mean half the
     value. The bits are kept and the scales doubled, which keeps every finite value exactly (e4m3fn's largest, 448,
     bits 0x7e, is e4m3fnuz's 224 times 2); -0 (0x80, e4m3fnuz's NaN) becomes 0. Cast as values instead, every code
-    past 240 would become NaN. ValueError for a NaN code (0x7f, 0xff), which no quantized weight holds."""
-    bits = np.asarray(codes).view(np.uint8)
-    nan = (bits & 0x7F) == 0x7F
-    if nan.any():
-        raise ValueError(f"{int(nan.sum())} fp8 codes are NaN (0x7f or 0xff): not the codes of a quantized weight")
-    return np.where(bits == 0x80, np.uint8(0), bits).view(FP8_FNUZ), np.asarray(scales, np.float32) * np.float32(2)
+    past 240 would become NaN. `xp` numpy or jax.numpy; numpy raises ValueError for a NaN code (0x7f, 0xff), which no
+    quantized weight holds."""
+    if xp is np:
+        bits = np.asarray(codes).view(np.uint8)
+        nan = (bits & 0x7F) == 0x7F
+        if nan.any():
+            raise ValueError(f"{int(nan.sum())} fp8 codes are NaN (0x7f or 0xff): not the codes of a quantized weight")
+        return np.where(bits == 0x80, np.uint8(0), bits).view(FP8_FNUZ), np.asarray(scales, np.float32) * np.float32(2)
+    bits = jax.lax.bitcast_convert_type(codes, jnp.uint8)
+    fnuz = jax.lax.bitcast_convert_type(jnp.where(bits == 0x80, jnp.uint8(0), bits), FP8_FNUZ)
+    return fnuz, scales.astype(jnp.float32) * np.float32(2)
 
 
 def dequantize_numpy(codes: np.ndarray, scales: np.ndarray, quantization: Quantization) -> np.ndarray:

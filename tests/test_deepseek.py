@@ -293,8 +293,10 @@ def test_same_loss_and_lora_grads_on_a_mesh_as_one_plain_device(tmp_path, deepse
 
 
 @pytest.mark.slow
-def test_an_fp8_base_split_over_a_mesh_trains_as_on_one_device(deepseek_run_checkpoint, tmp_path):
-    """Codes and block scales of every latent projection and expert cut at whole blocks over fsdp and mp."""
+@pytest.mark.parametrize("fp8_matmul", ["off", "e4m3fnuz"])
+def test_an_fp8_base_split_over_a_mesh_trains_as_on_one_device(deepseek_run_checkpoint, tmp_path, fp8_matmul):
+    """Codes and block scales of every latent projection and expert cut at whole blocks over fsdp and mp; dequantized,
+    or multiplied in FP8 (`--fp8-matmul`: the experts' blocks of rows inside the dispatch's shard_map too)."""
     import jax
     from test_context_parallel import assert_same, grads_on
     from tiny_moe import DEEPSEEK_MESH_TARGETS
@@ -302,9 +304,15 @@ def test_an_fp8_base_split_over_a_mesh_trains_as_on_one_device(deepseek_run_chec
     jax_dir, data, _ = deepseek_run_checkpoint
     convert(jax_dir.parent / "hf", tmp_path / "fp8", quantize="fp8", quant_block=16, progress=False)
     one = grads_on(tmp_path / "fp8", data, tmp_path / "one", "dp=1,fsdp=1,mp=1", jax.devices()[:1], attention="xla",
-                   targets=DEEPSEEK_MESH_TARGETS)
+                   targets=DEEPSEEK_MESH_TARGETS, fp8_matmul=fp8_matmul)
+    if fp8_matmul != "off":  # the run did multiply in FP8
+        assert one[0] != grads_on(tmp_path / "fp8", data, tmp_path / "plain", "dp=1,fsdp=1,mp=1", jax.devices()[:1],
+                                  attention="xla", targets=DEEPSEEK_MESH_TARGETS)[0]
+    # In FP8 an activation that float32 sums in another order move across a rounding boundary takes the next code,
+    # 2^-4 of it away: a few gradient values moved by up to 3.3e-5 of their largest (fp8_matmul.py's docstring).
     assert_same(grads_on(tmp_path / "fp8", data, tmp_path / "mesh", "dp=1,fsdp=4,mp=2", jax.devices(),
-                         attention="xla", targets=DEEPSEEK_MESH_TARGETS), one)
+                         attention="xla", targets=DEEPSEEK_MESH_TARGETS, fp8_matmul=fp8_matmul), one,
+                tolerance=1e-5 if fp8_matmul == "off" else 1e-4)
 
 
 @pytest.mark.slow

@@ -357,7 +357,7 @@ def test_the_gpu_session_script_parses_and_fits_its_time(device_report):
     text = script.read_text()
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True).returncode == 0
     calls = re.findall(r"^ *(measure|profile|bench) (\S+) (\d+)(.*)$", text, re.MULTILINE)
-    assert calls[0][:2] == ("measure", "report") and len(calls) == 7
+    assert calls[0][:2] == ("measure", "report") and len(calls) == 9
     assert {name for kind, name, _, _ in calls if kind == "bench"} == {"sampler", "grpo"}
     parsers = {"measure": device_report.build_parser(), "profile": profile_parser()}
     for kind, _, _, args in calls:

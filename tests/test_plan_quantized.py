@@ -107,6 +107,22 @@ def test_a_block_that_does_not_divide_the_projections_is_one_line(tmp_path, caps
         f"q_proj ({path}); convert-llama --quant-block sets the block"]
 
 
+@pytest.mark.slow
+def test_a_plan_multiplying_in_fp8_holds_the_same_weights_and_says_so(small_config, tmp_path, capsys):
+    """--fp8-matmul changes how the codes are multiplied, not what is held; it takes an fp8 base, else one line."""
+    plain, fp8 = (planned(small_config, quantize="fp8", quant_block=32, fp8_matmul=matmul)
+                  for matmul in ("off", "e4m3fnuz"))
+    assert fp8.weights == plain.weights and fp8.lora_and_optimizer == plain.lora_and_optimizer
+    assert "multiplied in e4m3fnuz (--fp8-matmul; its dots timed at --dtype's rate)" in str(fp8)
+    assert "dequantized layer by layer" in str(plain)
+    for quantize, held in (("nf4", "quantized nf4"), ("none", "not quantized")):
+        assert main(["--plan", "--model-config", str(small_config), "--mesh", MESH, "--quantize", quantize,
+                     "--fp8-matmul", "e4m3fn"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"finetune-lora: error: --fp8-matmul e4m3fn: the base is {held}; FP8 matmuls take an fp8 base (an FP8 "
+            "checkpoint, or convert-llama --quantize fp8)"]
+
+
 def test_fit_command_line_trains_on_a_quantized_checkpoint_without_a_quantize_option(small_config):
     from finetune.planning.fit import command_line
 

@@ -119,6 +119,18 @@ def test_fp8_codes_split_at_whole_blocks_give_the_one_device_loss_and_grads(tmp_
         np.testing.assert_allclose(g, ref_grads[name], atol=1e-5, rtol=0, err_msg=name)
 
 
+@pytest.mark.slow
+def test_a_run_multiplying_in_fp8_takes_an_fp8_base(tmp_path, nf4_converted, data_file, capsys):
+    """finetune-lora --fp8-matmul on an NF4 base: one line, exit 2, no run directory."""
+    out = tmp_path / "run"
+    assert main(["--model", str(nf4_converted), "--data", str(data_file), "--out", str(out), "--steps", "1",
+                 "--fp8-matmul", "e4m3fnuz", "--no-progress"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "finetune-lora: error: --fp8-matmul e4m3fnuz: the base is quantized nf4; FP8 matmuls take an fp8 base (an FP8 "
+        "checkpoint, or convert-llama --quantize fp8)")
+    assert not out.exists()
+
+
 # Dropout and gradient accumulation on, codes split over fsdp and mp: as tests/test_finetune.py's resume test.
 RESUMED = {"steps": 4, "lora_dropout": 0.1, "grad_accum": 2, "mesh": "dp=1,fsdp=4,mp=2", "targets": "q_proj,v_proj",
            "remat": "none"}

@@ -221,6 +221,7 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
     if config.policy:
         prompt_tokens(config)  # a --seq-len that holds no prompt: before any compile
     quantization, quantization_source = plan_quantization(config)
+    quantization = config.multiplied(quantization)
     if quantization is not None:
         for name, (in_features, out_features) in layer_shapes(llama).items():
             try:
@@ -243,7 +244,9 @@ def plan(config: TrainConfig, cpu_bf16_figure: bool = True) -> PlanReport:
     if quantization is not None:
         square = f" x {quantization.block}" if quantization.two_dimensional else ""
         lines.append(f"frozen projections {quantization.scheme} in blocks of {quantization.block}{square} "
-                     f"({quantization_source}): codes and float32 scales, dequantized layer by layer")
+                     f"({quantization_source}): codes and float32 scales, "
+                     + ("dequantized layer by layer" if quantization.matmul is None else
+                        f"multiplied in {quantization.matmul} (--fp8-matmul; its dots timed at --dtype's rate)"))
     lines += [f"batch {config.batch_size} x seq {config.seq_len}, grad accumulation {config.grad_accum}, "
               f"dtype {config.dtype}, remat {config.remat}, attention {_attention_line(config, mesh.shape['cp'])}, "
               f"loss chunk {config.loss_chunk or 'none'}, MLP chunk {config.mlp_chunk or 'none'}"]

@@ -26,7 +26,7 @@ from finetune.step.train_step import (DTYPES, TrainState, jit_policy_logps, jit_
                                      optimizer_shardings, split_model)
 from finetune.train.reference_pass import with_precomputed_reference
 from jaxmodel.config import ModelConfig
-from jaxmodel.formats.checkpoint import read_manifest
+from jaxmodel.formats.checkpoint import MANIFEST, checkpoint_quantization, read_manifest
 from jaxmodel.formats.peft_adapter import load_peft_adapter, read_adapter, unservable_message, unservable_targets
 from jaxmodel.lora import apply_lora
 from jaxmodel.pretrained import load_pretrained
@@ -122,10 +122,11 @@ def setup(config: TrainConfig, devices=None, check_data: Callable[[dict[str, dic
     attention = choose_attention(config, llama, mesh.shape.get("cp", 1))
     if main and attention.weighed:  # on stderr beside the data line: stdout's first line is the run's result
         print(f"finetune-lora: {attention.why}", file=sys.stderr, flush=True)
+    config.multiplied(checkpoint_quantization(read_manifest(model_dir), Path(model_dir) / MANIFEST))  # fp8 or refused
     with jax.set_mesh(mesh):
         model = load_pretrained(model_dir, mesh=mesh, dtype=DTYPES[config.dtype], param_dtype=param_dtype,
-                                remat=config.remat, attention=attention.impl,
-                                mlp_chunk=config.mlp_chunk, rules=rules)
+                                remat=config.remat, attention=attention.impl, mlp_chunk=config.mlp_chunk,
+                                rules=rules, fp8_matmul=None if config.fp8_matmul == "off" else config.fp8_matmul)
         if config.init_adapter:
             load_peft_adapter(model, config.init_adapter)
         else:
