@@ -17,7 +17,7 @@ from jaxmodel.fp8_matmul import FORMATS, activation_error_bound, fp8_matmul, fp8
 from jaxmodel.layers import LoRAParam
 from jaxmodel.lora import LoraConfig, apply_lora
 from jaxmodel.model import quantize_model
-from jaxmodel import fp8_matmul as fp8_module, moe as moe_module
+from jaxmodel import layers as layers_module, moe as moe_module
 from jaxmodel.moe import GroupedLinear, group_rows
 from jaxmodel.quantization import Quantization, dequantize, dequantize_numpy, quantize
 from test_fp8 import DEEPSEEK
@@ -106,9 +106,10 @@ LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermedia
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
 def test_a_model_multiplying_in_fp8_is_the_dequantized_model_on_rounded_activations(fmt, monkeypatch):
     """The tiny Llama on an fp8 base (blocks of 8), LoRA (random A and B) on every projection: the loss and LoRA
-    gradients with FP8 matmuls equal those of the model whose every projection multiplies the dequantized weight in
-    float32 by the activations rounded as `quantize_tiles` rounds them (the FP8 products' definition, computed
-    apart), and differ from the plain dequantized model's."""
+    gradients with FP8 matmuls equal those of the model whose every projection (and expert) multiplies the
+    dequantized weight in float32 by the activations rounded as `quantize_tiles` rounds them, their gradient passed
+    straight through (the FP8 path's definition, forward and backward, computed apart with jax's own autodiff), and
+    differ from the plain dequantized model's."""
     base = CausalLM(ModelConfig.from_hf(LLAMA), rngs=nnx.Rngs(0))
     ids = jnp.asarray(np.random.default_rng(3).integers(0, 64, (2, 9)), jnp.int32)
     _assert_fp8_is_rounded_activations(base, 8, fmt, ids, LoraConfig.targets, monkeypatch)
@@ -119,13 +120,21 @@ def _assert_fp8_is_rounded_activations(base, block, fmt, ids, targets, monkeypat
     fp8_loss, fp8_grads = _lora_loss_and_grads(base, quantization, ids, targets)
     plain_loss, _ = _lora_loss_and_grads(base, dataclasses.replace(quantization, matmul=None), ids, targets)
 
-    def rounded_product(x, codes, scales, quantization):
-        q, s = quantize_tiles(x, quantization.block, quantization.matmul)
-        x_rounded = (q.astype(jnp.float32) * s[..., None]).reshape(*x.shape[:-1], -1)[..., :x.shape[-1]]
-        return x_rounded @ dequantize(codes, scales, quantization).T
+    def rounded(x, quantization):  # the activations as the FP8 path rounds them, their gradient passed through
+        q, scale = quantize_tiles(x, quantization.block, quantization.matmul)
+        x_rounded = (q.astype(jnp.float32) * scale[..., None]).reshape(*x.shape[:-1], -1)[..., :x.shape[-1]]
+        return x + jax.lax.stop_gradient(x_rounded.astype(x.dtype) - x)
 
-    monkeypatch.setattr(fp8_module, "fp8_product", rounded_product)
-    monkeypatch.setattr(moe_module, "fp8_product", rounded_product)
+    def projection(x, codes, scales, quantization):
+        return rounded(x, quantization) @ dequantize(codes, scales, quantization).T
+
+    def experts(x_ai, codes, scales, rows, quantization, dtype, impl, block):
+        return moe_module._dequantized_grouped_matmul(rounded(x_ai, quantization), codes, scales, rows,
+                                                      dataclasses.replace(quantization, matmul=None), dtype, impl,
+                                                      block)
+
+    monkeypatch.setattr(layers_module, "fp8_matmul", projection)
+    monkeypatch.setattr(moe_module, "_fp8_grouped_matmul", experts)
     loss, grads = _lora_loss_and_grads(base, quantization, ids, targets)
     np.testing.assert_allclose(float(fp8_loss), float(loss), rtol=1e-6)
     leaves, fp8_leaves = jax.tree.leaves(grads), jax.tree.leaves(fp8_grads)
