@@ -33,7 +33,7 @@ import numpy as np
 from jaxmodel.quantization import FP8, FP8_FNUZ, FP8_MATMULS, Quantization, dequantize, fnuz_codes
 
 FORMATS = dict(zip(FP8_MATMULS, (FP8, FP8_FNUZ)))
-CHUNK_BLOCKS = 8  # blocks of the input dimension a step of the loop multiplies: 1024 values at block 128
+CHUNK_BLOCKS = 8  # blocks of the input dimension a step of the loop multiplies (at most): 1024 values at 128
 
 
 def fp8_max(fmt: str) -> np.float32:
@@ -89,8 +89,9 @@ def fp8_product(x, codes, scales, quantization: Quantization):
     if fmt == "e4m3fnuz":
         codes, scales = fnuz_codes(codes, scales, xp=jnp)
     tiles = -(-i // block)
-    chunks = -(-tiles // CHUNK_BLOCKS)
-    padded_tiles = chunks * CHUNK_BLOCKS  # zero blocks (codes 0) past the last: they add nothing
+    per_chunk = min(CHUNK_BLOCKS, tiles)
+    chunks = -(-tiles // per_chunk)
+    padded_tiles = chunks * per_chunk  # zero blocks (codes 0) past the last: they add nothing
     qx, sx = quantize_tiles(x, block, fmt)
     *lead, _, _ = qx.shape
     qx = jnp.pad(qx, [(0, 0)] * len(lead) + [(0, padded_tiles - tiles), (0, 0)])
@@ -102,12 +103,12 @@ def fp8_product(x, codes, scales, quantization: Quantization):
     sw = jnp.pad(jnp.repeat(scales.astype(jnp.float32), block, axis=0)[:out], [(0, 0), (0, padded_tiles - tiles)])
 
     def chunk(c):
-        start = c * CHUNK_BLOCKS
-        qx_c = jax.lax.dynamic_slice_in_dim(qx, start, CHUNK_BLOCKS, axis=-2)
-        products = jnp.einsum("...kb,okb->...ko", qx_c, jax.lax.dynamic_slice_in_dim(qw, start, CHUNK_BLOCKS, 1),
+        start = c * per_chunk
+        qx_c = jax.lax.dynamic_slice_in_dim(qx, start, per_chunk, axis=-2)
+        products = jnp.einsum("...kb,okb->...ko", qx_c, jax.lax.dynamic_slice_in_dim(qw, start, per_chunk, 1),
                               preferred_element_type=jnp.float32)
-        sx_c = jax.lax.dynamic_slice_in_dim(sx, start, CHUNK_BLOCKS, axis=-1)
-        sw_c = jax.lax.dynamic_slice_in_dim(sw, start, CHUNK_BLOCKS, axis=1)
+        sx_c = jax.lax.dynamic_slice_in_dim(sx, start, per_chunk, axis=-1)
+        sw_c = jax.lax.dynamic_slice_in_dim(sw, start, per_chunk, axis=1)
         return jnp.einsum("...ko,...k,ok->...o", products, sx_c, sw_c)
 
     # the first chunk outside the loop: the sum carried through it then has the products' type (inside shard_map,
