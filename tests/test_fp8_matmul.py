@@ -103,7 +103,7 @@ LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermedia
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
+@pytest.mark.parametrize("fmt", ["e4m3fn"])  # e4m3fnuz: the DeepSeek case below
 def test_a_model_multiplying_in_fp8_is_the_dequantized_model_on_rounded_activations(fmt, monkeypatch):
     """The tiny Llama on an fp8 base (blocks of 8), LoRA (random A and B) on every projection: the loss and LoRA
     gradients with FP8 matmuls equal those of the model whose every projection (and expert) multiplies the
@@ -191,7 +191,7 @@ def test_the_experts_multiply_each_routed_row_in_fp8_against_its_own_experts_cod
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
+@pytest.mark.parametrize("fmt", ["e4m3fnuz"])  # e4m3fn: the Llama case above
 def test_a_deepseek_multiplying_in_fp8_is_the_dequantized_model_on_rounded_activations(fmt, monkeypatch):
     """As the Llama test, on DeepSeek-V3 (latent attention, a dense layer, a shared expert, routed experts: the
     experts' FP8 path too) on an fp8 base of 4 x 4 blocks with partial ones, LoRA on every target."""
