@@ -5,7 +5,6 @@ a quantized model (`jaxmodel.quantization`)."""
 from __future__ import annotations
 
 import dataclasses
-
 from pathlib import Path
 
 import jax
