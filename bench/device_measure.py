@@ -40,9 +40,9 @@ from finetune.step.flops import flops_per_token
 from finetune.train.metrics import measure_peak_flops, peak_memory_gb, seconds_per_call
 from jaxmodel.attention import attention
 from jaxmodel.config import ModelConfig
-from jaxmodel.quantization import Quantization
 from jaxmodel.lora import apply_lora
 from jaxmodel.model import CausalLM
+from jaxmodel.quantization import Quantization
 from jaxmodel.sharding import DEFAULT_RULES, batch_sharding, named_sharding
 
 GB = 1e9

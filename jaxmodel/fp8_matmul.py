@@ -71,14 +71,10 @@ def activation_error_bound(x: np.ndarray, block: int, fmt: str) -> np.ndarray:
     return np.maximum(np.abs(tiled) * relative, absolute).reshape(*lead, tiles * block)[..., :i]
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def fp8_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, quantization: Quantization) -> jax.Array:
     """float32 `x @ w.T` `[..., out]` for the fp8 weight `w [out, in]` held as `codes` (uint8 bits, as the model
     holds them) and `scales` `[ceil(out / block), ceil(in / block)]`, multiplied in `quantization.matmul`'s FP8."""
-    return _fp8_matmul(x, codes, scales, quantization)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fp8_matmul(x, codes, scales, quantization):
     return fp8_product(x, codes, scales, quantization)
 
 
@@ -131,4 +127,4 @@ def _fp8_matmul_bwd(quantization, residuals, dy):
     return dx, np.zeros(codes.shape, jax.dtypes.float0), jnp.zeros_like(scales)
 
 
-_fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)

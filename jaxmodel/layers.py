@@ -17,8 +17,8 @@ from flax import nnx
 
 from jaxmodel import scopes
 from jaxmodel.context_parallel import cp_size
-from jaxmodel.matmul import einsum_acc32, saved_as_dot
 from jaxmodel.fp8_matmul import fp8_matmul
+from jaxmodel.matmul import einsum_acc32, saved_as_dot
 from jaxmodel.quantization import Quantization, dequantize
 from jaxmodel.sharding import DEFAULT_RULES, Rules, constrain
 

@@ -183,15 +183,13 @@ def fnuz_codes(codes, scales, xp=np):
     bits 0x7e, is e4m3fnuz's 224 times 2); -0 (0x80, e4m3fnuz's NaN) becomes 0. Cast as values instead, every code
     past 240 would become NaN. `xp` numpy or jax.numpy; numpy raises ValueError for a NaN code (0x7f, 0xff), which no
     quantized weight holds."""
-    if xp is np:
-        bits = np.asarray(codes).view(np.uint8)
-        nan = (bits & 0x7F) == 0x7F
-        if nan.any():
-            raise ValueError(f"{int(nan.sum())} fp8 codes are NaN (0x7f or 0xff): not the codes of a quantized weight")
-        return np.where(bits == 0x80, np.uint8(0), bits).view(FP8_FNUZ), np.asarray(scales, np.float32) * np.float32(2)
-    bits = jax.lax.bitcast_convert_type(codes, jnp.uint8)
-    fnuz = jax.lax.bitcast_convert_type(jnp.where(bits == 0x80, jnp.uint8(0), bits), FP8_FNUZ)
-    return fnuz, scales.astype(jnp.float32) * np.float32(2)
+    bits = np.asarray(codes).view(np.uint8) if xp is np else jax.lax.bitcast_convert_type(codes, jnp.uint8)
+    if xp is np and ((bits & 0x7F) == 0x7F).any():
+        count = int(((bits & 0x7F) == 0x7F).sum())
+        raise ValueError(f"{count} fp8 codes are NaN (0x7f or 0xff): not the codes of a quantized weight")
+    kept = xp.where(bits == 0x80, xp.uint8(0), bits)
+    fnuz = kept.view(FP8_FNUZ) if xp is np else jax.lax.bitcast_convert_type(kept, FP8_FNUZ)
+    return fnuz, xp.asarray(scales, xp.float32) * np.float32(2)
 
 
 def dequantize_numpy(codes: np.ndarray, scales: np.ndarray, quantization: Quantization) -> np.ndarray:
