@@ -19,6 +19,7 @@ o and i a weight's output and input sizes (torch's `[out, in]` layout, as `jaxmo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -163,75 +164,119 @@ def block_rows(rows: int, experts: int) -> int:
     return min(MAX_BLOCK, max(MIN_BLOCK, 1 << (share.bit_length() - 1)))
 
 
-def grouped_matmul(x_ai: jax.Array, w_eoi: jax.Array, rows: GroupedRows, impl: str = "blocks",
-                   block: int | None = None) -> jax.Array:
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["a", "b"], meta_fields=["scale"])
+@dataclasses.dataclass(frozen=True)
+class ExpertAdapter:
+    """A rank-r LoRA adapter on each expert of a grouped projection: `a` `[e, r, in]`, `b` `[e, out, r]`, adding
+    `scale * (x A_e^T) B_e^T` to each row routed to expert e, in float32 (`GroupedLinear`). The scale is static."""
+
+    a: jax.Array
+    b: jax.Array
+    scale: float
+
+
+def grouped_matmul(x_ai: jax.Array, w_eoi: jax.Array | None, rows: GroupedRows, impl: str = "blocks",
+                   block: int | None = None, adapter: ExpertAdapter | None = None) -> jax.Array:
     """`x_ai[j] @ w_eoi[expert of row j].T` for the sorted rows `x_ai`, accumulated and returned in float32; the
-    "blocks" path in blocks of `block` rows (default `block_rows`)."""
+    "blocks" path in blocks of `block` rows (default `block_rows`). With `adapter`, plus its low-rank product on each
+    row (`x_ai` taken in float32; `w_eoi` None: the adapter's alone), on the blocks path in the same pass over the
+    blocks as the weight's: one padded copy of the rows and one gather back for the three products."""
+    if impl not in GROUPED_MATMULS:
+        raise ValueError(f"grouped matmul must be one of {GROUPED_MATMULS}, got {impl!r}")
+    if impl == "blocks":
+        weights = () if w_eoi is None else (w_eoi,)
+        scale = None if adapter is None else adapter.scale
+        weights += () if adapter is None else (adapter.a, adapter.b)
+        return _blocks_matmul(x_ai, weights, rows, block or block_rows(x_ai.shape[0], weights[0].shape[0]), scale)
+    y_ao = None if w_eoi is None else _whole_grouped_matmul(x_ai, w_eoi, rows, impl)
+    if adapter is None:
+        return y_ao
+    xa_ar = saved_as_dot(_whole_grouped_matmul(x_ai.astype(jnp.float32), adapter.a, rows, impl) * adapter.scale)
+    delta_ao = saved_as_dot(_whole_grouped_matmul(xa_ar, adapter.b, rows, impl))
+    return delta_ao if y_ao is None else y_ao + delta_ao
+
+
+def _whole_grouped_matmul(x_ai, w_eoi, rows: GroupedRows, impl: str):
+    """The "ragged" and "dense" paths of `grouped_matmul`, each one operation over all the rows."""
     if impl == "ragged":
         return jax.lax.ragged_dot(x_ai, jnp.swapaxes(w_eoi, 1, 2), rows.group_sizes,
                                   preferred_element_type=jnp.float32)
-    if impl == "dense":
-        y_aeo = jnp.einsum("ai,eoi->aeo", x_ai, w_eoi, preferred_element_type=jnp.float32)
-        expert_a = jnp.minimum(rows.expert_a, w_eoi.shape[0] - 1)  # routes elsewhere: dropped by `combine`
-        return jnp.take_along_axis(y_aeo, expert_a[:, None, None], axis=1)[:, 0]
-    if impl != "blocks":
-        raise ValueError(f"grouped matmul must be one of {GROUPED_MATMULS}, got {impl!r}")
-    return _blocks_matmul(x_ai, w_eoi, rows, block or block_rows(x_ai.shape[0], w_eoi.shape[0]))
+    y_aeo = jnp.einsum("ai,eoi->aeo", x_ai, w_eoi, preferred_element_type=jnp.float32)
+    expert_a = jnp.minimum(rows.expert_a, w_eoi.shape[0] - 1)  # routes elsewhere: dropped by `combine`
+    return jnp.take_along_axis(y_aeo, expert_a[:, None, None], axis=1)[:, 0]
 
 
 # The "blocks" path has its own VJP so that the loop over the blocks runs without tangents, its products never
 # saved: differentiated through, a remat policy that saves matmul outputs (`dots`) kept every block's product, and
 # each block's slice of the weight, for the backward pass. Its residuals are its inputs; the backward pass walks
-# the blocks again, each block's gradients those of its own product (`jax.vjp`), the weight's summed by expert.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _blocks_matmul(x_ai, w_eoi, rows, block):
-    return _blocks_forward(x_ai, w_eoi, rows, block)
+# the blocks again, each block's gradients those of its own product (`jax.vjp`), the trained weights' (an
+# adapter's, never a frozen one's) summed by expert. `weights` are `(w,)` with `lora_scale` None, else `(a, b)` or
+# `(w, a, b)` (`_block_product`).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _blocks_matmul(x_ai, weights, rows, block, lora_scale):
+    return _blocks_forward(x_ai, weights, rows, block, lora_scale)
 
 
-def _blocks_matmul_fwd(x_ai, w_eoi, rows, block):
-    w_perturbed = w_eoi.perturbed
-    x_ai, w_eoi, rows = x_ai.value, w_eoi.value, jax.tree.map(lambda v: v.value, rows)
-    # the weight's gradient only for a weight being trained (an adapter's), never for a frozen one
-    return _blocks_forward(x_ai, w_eoi, rows, block), (x_ai, w_eoi, rows, (True,) * w_perturbed)
+def _blocks_matmul_fwd(x_ai, weights, rows, block, lora_scale):
+    trained = tuple((True,) if w.perturbed else () for w in weights)  # static, in the residuals' structure
+    x_ai, weights, rows = x_ai.value, tuple(w.value for w in weights), jax.tree.map(lambda v: v.value, rows)
+    return _blocks_forward(x_ai, weights, rows, block, lora_scale), (x_ai, weights, rows, trained)
 
 
-def _blocks_matmul_bwd(block, residuals, dy_ao):
-    x_ai, w_eoi, rows, w_perturbed = residuals
+def _blocks_matmul_bwd(block, lora_scale, residuals, dy_ao):
+    x_ai, weights, rows, trained = residuals
+    trained = [j for j, mark in enumerate(trained) if mark]
     positions, block_expert, used = _block_layout(rows, block)
-    (a, i), n, o = x_ai.shape, block_expert.shape[0], w_eoi.shape[1]
+    (a, i), n, o = x_ai.shape, block_expert.shape[0], weights[-1].shape[1]
     dy_ao = jnp.zeros((a, o), jnp.float32) if isinstance(dy_ao, jax.custom_derivatives.SymbolicZero) else dy_ao
     x_nbi = _padded(x_ai, positions, n, block)
     dy_nbo = _padded(dy_ao.astype(jnp.float32), positions, n, block)
-    varying = tuple(_varying_axes(x_ai) | _varying_axes(w_eoi) | _varying_axes(dy_ao))
+    varying = tuple(_varying_axes(x_ai).union(*map(_varying_axes, weights)) | _varying_axes(dy_ao))
 
-    def block_grads(dw_eoi, x_bi, dy_bo, expert):
-        w_oi = jax.lax.dynamic_index_in_dim(w_eoi, expert, axis=0, keepdims=False)
-        _, vjp = jax.vjp(_block_product, x_bi, w_oi)
-        dx_bi, dw_oi = vjp(dy_bo)
-        if w_perturbed:
-            dw_eoi = jax.lax.dynamic_update_index_in_dim(
-                dw_eoi, jax.lax.dynamic_index_in_dim(dw_eoi, expert, 0, keepdims=False) + dw_oi, expert, 0)
-        return dw_eoi, dx_bi
+    def block_grads(dws, x_bi, dy_bo, expert):
+        slices = [jax.lax.dynamic_index_in_dim(w, expert, axis=0, keepdims=False) for w in weights]
 
-    def skip(dw_eoi, x_bi, dy_bo, expert):
-        return dw_eoi, _varying(jnp.zeros_like(x_bi), varying)
+        def of_trained(x_bi, *changing):
+            taken = list(slices)
+            for j, value in zip(trained, changing):
+                taken[j] = value
+            return _block_product(x_bi, tuple(taken), lora_scale)
 
-    def step(dw_eoi, xs):
+        _, vjp = jax.vjp(of_trained, x_bi, *(slices[j] for j in trained))
+        dx_bi, *dslices = vjp(dy_bo)
+        dws = tuple(jax.lax.dynamic_update_index_in_dim(
+            dw, jax.lax.dynamic_index_in_dim(dw, expert, 0, keepdims=False) + ds, expert, 0)
+            for dw, ds in zip(dws, dslices))
+        return dws, dx_bi
+
+    def skip(dws, x_bi, dy_bo, expert):
+        return dws, _varying(jnp.zeros_like(x_bi), varying)
+
+    def step(dws, xs):
         x_bi, dy_bo, expert, index = xs
         with jax.named_scope(scopes.EXPERT_BLOCK):
-            return jax.lax.cond(index < used, block_grads, skip, dw_eoi, x_bi, dy_bo, expert)
+            return jax.lax.cond(index < used, block_grads, skip, dws, x_bi, dy_bo, expert)
 
-    dw0 = _varying(jnp.zeros(w_eoi.shape if w_perturbed else (0,), w_eoi.dtype), varying)
-    dw_eoi, dx_nbi = jax.lax.scan(step, dw0, (x_nbi, dy_nbo, block_expert, jnp.arange(n, dtype=jnp.int32)))
+    dws0 = tuple(_varying(jnp.zeros(weights[j].shape, weights[j].dtype), varying) for j in trained)
+    dws, dx_nbi = jax.lax.scan(step, dws0, (x_nbi, dy_nbo, block_expert, jnp.arange(n, dtype=jnp.int32)))
     dx_ai = dx_nbi.reshape(n * block, i).at[positions].get(mode="fill", fill_value=0)
-    return dx_ai, dw_eoi if w_perturbed else None, None
+    found = dict(zip(trained, dws))
+    return dx_ai, tuple(found.get(j) for j in range(len(weights))), None
 
 
 _blocks_matmul.defvjp(_blocks_matmul_fwd, _blocks_matmul_bwd, symbolic_zeros=True)
 
 
-def _block_product(x_bi, w_oi):
-    return jnp.einsum("bi,oi->bo", x_bi, w_oi, preferred_element_type=jnp.float32)
+def _block_product(x_bi, weights, lora_scale):
+    """float32 `[block, out]`: a block's rows times its expert's slices of `weights` (`_blocks_matmul`); the
+    adapter's product in float32, as `jaxmodel.layers.Linear`'s."""
+    if lora_scale is None:
+        (w_oi,) = weights
+        return jnp.einsum("bi,oi->bo", x_bi, w_oi, preferred_element_type=jnp.float32)
+    *base, a_ri, b_or = weights
+    xa_br = jnp.einsum("bi,ri->br", x_bi.astype(jnp.float32), a_ri, preferred_element_type=jnp.float32) * lora_scale
+    delta_bo = jnp.einsum("br,or->bo", xa_br, b_or, preferred_element_type=jnp.float32)
+    return _block_product(x_bi, tuple(base), None) + delta_bo if base else delta_bo
 
 
 def _padded(x_ai, positions, n: int, block: int):
@@ -246,11 +291,13 @@ def _varying(x, axes: tuple[str, ...]):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _blocks_forward(x_ai, w_eoi, rows, block):
+def _blocks_forward(x_ai, weights, rows, block, lora_scale):
     def product(x_bi, expert):
-        return _block_product(x_bi, jax.lax.dynamic_index_in_dim(w_eoi, expert, axis=0, keepdims=False))
+        taken = tuple(jax.lax.dynamic_index_in_dim(w, expert, axis=0, keepdims=False) for w in weights)
+        return _block_product(x_bi, taken, lora_scale)
 
-    return _over_blocks(x_ai, rows, block, w_eoi.shape[1], _varying_axes(w_eoi), product)
+    return _over_blocks(x_ai, rows, block, weights[-1].shape[1], frozenset().union(*map(_varying_axes, weights)),
+                        product)
 
 
 def _over_blocks(x_ai, rows, block: int, out: int, weight_varying: frozenset[str], product):
@@ -392,33 +439,32 @@ class GroupedLinear(nnx.Module):
         policies (`jaxmodel.matmul.saved_as_dot`), as a Linear's are: the blocks path's own VJP hides its matmuls
         from them, and without the names a layer's backward pass computed its experts' forward again (the
         experts' part of a Mixtral step 1.4x slower under `dots`). Under expert parallelism nothing of it is saved
-        (`recomputed_in_backward`)."""
+        (`recomputed_in_backward`). The adapter's products are taken in the same pass over the rows as the
+        weight's (`grouped_matmul`); as their own two passes, each with its copy of the rows padded and gathered
+        back, they made a Mixtral step's experts ~25% slower on a CPU."""
         x_ai = x_ai.astype(self.dtype)
+        adapter = None if self.lora_a is None else ExpertAdapter(
+            self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32), self.lora_scale)
         if self.quantization is None:
-            y_ao = grouped_matmul(x_ai, self.weight[...].astype(self.dtype), rows, self.grouped, self.block)
+            y_ao = grouped_matmul(x_ai, self.weight[...].astype(self.dtype), rows, self.grouped, self.block, adapter)
         elif self.quantization.matmul is not None:
             y_ao = _fp8_grouped_matmul(x_ai, self.codes[...], self.scales[...], rows, self.quantization, self.dtype,
                                        self.grouped, self.block)
+            if adapter is not None:
+                y_ao = y_ao + grouped_matmul(x_ai, None, rows, self.grouped, self.block, adapter)
         else:
             y_ao = _dequantized_grouped_matmul(x_ai, self.codes[...], self.scales[...], rows, self.quantization,
-                                               self.dtype, self.grouped, self.block)
-        y_ao = saved_as_dot(y_ao)
-        if self.lora_a is None:
-            return y_ao
-        with jax.named_scope(scopes.LORA):
-            xa_ar = grouped_matmul(x_ai.astype(jnp.float32), self.lora_a[...].astype(jnp.float32), rows, self.grouped,
-                                   self.block)
-            xa_ar = saved_as_dot(xa_ar * self.lora_scale)
-            return y_ao + saved_as_dot(grouped_matmul(xa_ar, self.lora_b[...].astype(jnp.float32), rows,
-                                                      self.grouped, self.block))
+                                               self.dtype, self.grouped, self.block, adapter)
+        return saved_as_dot(y_ao)
 
 
 # As `jaxmodel.layers._dequantized_matmul`: nothing inside is saved for the backward pass, which dequantizes again,
 # so that no layer's dequantized experts are kept until then.
 @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False,
                    static_argnums=(4, 5, 6, 7))
-def _dequantized_grouped_matmul(x_ai, codes, scales, rows, quantization: Quantization, dtype, impl: str, block: int):
-    return grouped_matmul(x_ai, dequantize(codes, scales, quantization, dtype), rows, impl, block)
+def _dequantized_grouped_matmul(x_ai, codes, scales, rows, quantization: Quantization, dtype, impl: str, block: int,
+                                adapter: ExpertAdapter | None = None):
+    return grouped_matmul(x_ai, dequantize(codes, scales, quantization, dtype), rows, impl, block, adapter)
 
 
 # An fp8 base multiplied in FP8 (`Quantization.matmul`): each block of rows against its expert's codes as stored

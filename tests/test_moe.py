@@ -277,6 +277,31 @@ def test_an_experts_lora_adds_its_own_experts_low_rank_delta_on_each_row(grouped
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
+@pytest.mark.parametrize("base", [True, False])
+def test_an_experts_lora_trains_alike_in_the_blocks_one_pass_and_the_dense_reference(base):
+    """The blocks path takes the weight's and the adapter's products in one pass over the rows (`base` False: the
+    adapter alone, beside an FP8 base's own pass); its gradients of the rows and of each expert's A and B, several
+    blocks an expert, are those of the dense path's three separate products."""
+    from jaxmodel.moe import ExpertAdapter
+
+    rng = np.random.default_rng(4)
+    t, e, k, i, o, r, scale = 40, 3, 2, 6, 7, 2, 1.5
+    rows = group_rows(jnp.asarray(_routing(rng, t, e, k)[1]), e)
+    x, w, a, b = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+                  for shape in ((t * k, i), (e, o, i), (e, r, i), (e, o, r)))
+    cotangent = jnp.asarray(rng.standard_normal((t * k, o)), jnp.float32)
+
+    def grads(impl):
+        def loss(x, a, b):
+            y = grouped_matmul(x, w if base else None, rows, impl, 4, ExpertAdapter(a, b, scale))
+            return jnp.sum(y * cotangent)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, a, b)
+
+    assert np.asarray(rows.group_sizes).min() > 2 * 4  # each expert's rows in several blocks
+    for got, want in zip(grads("blocks"), grads("dense")):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def _experts_with_adapters(e, k, d, f, seed):
     """An `Experts` of `e` random experts (hidden `d`, intermediate `f`, `k` a token) with random LoRA adapters."""
     from flax import nnx
