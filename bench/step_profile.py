@@ -16,10 +16,10 @@ experts); `--batch`, `--seq` and `--attention` replace bench/train.py's 4 x 256 
 How the table is made:
 - Part: each op's HLO metadata names the `jax.named_scope`s it was traced in (jaxmodel/scopes.py: projections,
   LoRA, attention, RoPE, ...), in the forward pass, its recomputation and the gradients alike; the innermost one
-  counts (LoRA inside a projection is LoRA). A fused op counts under the op_name XLA gives it. Ops outside every
-  part: the layer scan's slices of the stacked weights and saved values and its writes of them ("layer scan"),
-  the zero-filling of the buffers the scan writes into ("zero fill"), the rest ("other": residual adds, casts,
-  the gradients' sums).
+  counts (LoRA inside a projection is LoRA; an expert's adapter, multiplied in its experts' blocks, counts
+  there). A fused op counts under the op_name XLA gives it. Ops outside every part: the layer scan's slices of the
+  stacked weights and saved values and its writes of them ("layer scan"), the zero-filling of the buffers the scan
+  writes into ("zero fill"), the rest ("other": residual adds, casts, the gradients' sums).
 - Wall ms a step: each instant of the traced steps shared equally among the ops running then (XLA runs independent
   ops at once on the CPU's threads), so the rows add up to the traced step's time with "no op running". Op ms: the
   ops' own durations, which overlap.
