@@ -210,7 +210,7 @@ def _whole_grouped_matmul(x_ai, w_eoi, rows: GroupedRows, impl: str):
 # saved: differentiated through, a remat policy that saves matmul outputs (`dots`) kept every block's product, and
 # each block's slice of the weight, for the backward pass. Its residuals are its inputs; the backward pass walks
 # the blocks again, each block's gradients those of its own product (`jax.vjp`), the trained weights' (an
-# adapter's, never a frozen one's) summed by expert. `weights` are `(w,)` with `lora_scale` None, else `(a, b)` or
+# adapter's; a frozen base gets none) summed by expert. `weights` are `(w,)` with `lora_scale` None, else `(a, b)` or
 # `(w, a, b)` (`_block_product`).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _blocks_matmul(x_ai, weights, rows, block, lora_scale):
@@ -441,7 +441,7 @@ class GroupedLinear(nnx.Module):
         experts' part of a Mixtral step 1.4x slower under `dots`). Under expert parallelism nothing of it is saved
         (`recomputed_in_backward`). The adapter's products are taken in the same pass over the rows as the
         weight's (`grouped_matmul`); as their own two passes, each with its copy of the rows padded and gathered
-        back, they made a Mixtral step's experts ~25% slower on a CPU."""
+        back, they made one Mixtral-sized layer's experts ~25% slower on a CPU."""
         x_ai = x_ai.astype(self.dtype)
         adapter = None if self.lora_a is None else ExpertAdapter(
             self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32), self.lora_scale)

@@ -302,6 +302,50 @@ def test_an_experts_lora_trains_alike_in_the_blocks_one_pass_and_the_dense_refer
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("scheme", ["nf4", "int8"])
+def test_a_quantized_experts_adapter_trains_alike_in_the_blocks_one_pass_and_the_dense_reference(scheme):
+    """An NF4 or int8 base's experts with an adapter (the adapter inside the dequantized matmul's remat): each row
+    is its expert's dequantized weight plus its low-rank delta, and the blocks path's gradients of the rows, A and B
+    are the dense path's."""
+    from flax import nnx
+
+    from jaxmodel.layers import LoRAParam
+    from jaxmodel.moe import GroupedLinear
+    from jaxmodel.quantization import Quantization, dequantize, quantize
+
+    rng = np.random.default_rng(5)
+    t, e, k, i, o, r = 40, 3, 2, 8, 6, 2
+    rows = group_rows(jnp.asarray(_routing(rng, t, e, k)[1]), e)
+    quantization = Quantization(scheme, 4)
+    layer = GroupedLinear(e, i, o, axes=("mlp", "embed"), layers=None, dtype=jnp.float32, param_dtype=jnp.float32,
+                          rngs=nnx.Rngs(0), block=4, quantization=quantization)
+    codes, scales = quantize(rng.standard_normal((e, o, i)), quantization)
+    layer.codes.set_value(jnp.asarray(codes))
+    layer.scales.set_value(jnp.asarray(scales))
+    layer.lora_a = LoRAParam(jnp.asarray(rng.standard_normal((e, r, i)), jnp.float32))
+    layer.lora_b = LoRAParam(jnp.asarray(rng.standard_normal((e, o, r)), jnp.float32))
+    layer.lora_scale = 1.5
+    x = jnp.asarray(rng.standard_normal((t * k, i)), jnp.float32)
+    cotangent = jnp.asarray(rng.standard_normal((t * k, o)), jnp.float32)
+
+    def run(grouped):
+        layer.grouped = grouped
+        graphdef, adapter, frozen = nnx.split(layer, LoRAParam, ...)
+
+        def loss(adapter, x):
+            return jnp.sum(nnx.merge(graphdef, adapter, frozen)(x, rows) * cotangent)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(adapter, x)
+
+    (got_loss, got), (want_loss, want) = run("blocks"), run("dense")
+    w = np.asarray(dequantize(jnp.asarray(codes), jnp.asarray(scales), quantization, jnp.float32))
+    a, b, xs = np.asarray(layer.lora_a[...]), np.asarray(layer.lora_b[...]), np.asarray(x)
+    y = np.stack([xs[j] @ (w[ex] + 1.5 * b[ex] @ a[ex]).T for j, ex in enumerate(np.asarray(rows.expert_a))])
+    np.testing.assert_allclose(float(got_loss), float(np.sum(y * np.asarray(cotangent))), rtol=1e-5)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * np.abs(w).max())
+
+
 def _experts_with_adapters(e, k, d, f, seed):
     """An `Experts` of `e` random experts (hidden `d`, intermediate `f`, `k` a token) with random LoRA adapters."""
     from flax import nnx

@@ -168,9 +168,9 @@ def test_an_experts_block_counts_as_the_experts_blocks_inside_a_projection_forwa
     module = step_profile()
     names = {"forward": "jit(train_step)/while/body/closed_call/projection/expert_block/cond/branch_1_fun/dot_general",
              "backward": "jit(train_step)/while/body/transpose(jvp(projection))/transpose(jvp(expert_block))/dot",
-             "its LoRA": "jit(train_step)/while/body/projection/expert_block/lora/dot_general"}
+             "a scope inside it": "jit(train_step)/while/body/projection/expert_block/lora/dot_general"}
     for where, op_name in names.items():
         hlo = HLO.replace("jit(train_step)/transpose(jvp(projection))/dot_general", op_name)
         inst = parse_hlo(hlo).instructions["ynn_fusion"]
-        assert module.part_of(inst, "ynn_fusion") == ("lora" if where == "its LoRA" else "expert_block"), where
+        assert module.part_of(inst, "ynn_fusion") == ("lora" if where == "a scope inside it" else "expert_block"), where
     assert module.label("expert_block") == "experts' blocks"
