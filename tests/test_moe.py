@@ -342,8 +342,9 @@ def test_a_quantized_experts_adapter_trains_alike_in_the_blocks_one_pass_and_the
     y = np.stack([xs[j] @ (w[ex] + 1.5 * b[ex] @ a[ex]).T for j, ex in enumerate(np.asarray(rows.expert_a))])
     np.testing.assert_allclose(float(got_loss), float(np.sum(y * np.asarray(cotangent))), rtol=1e-5)
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * np.abs(w).max())
+    for got_grad, want_grad in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(got_grad), np.asarray(want_grad), rtol=1e-5,
+                                   atol=1e-5 * np.abs(want_grad).max())
 
 
 def _experts_with_adapters(e, k, d, f, seed):
